@@ -1,0 +1,24 @@
+"""funcshard: functional ZeRO-3 sharding for PyTorch, as pure transforms over pytrees."""
+
+from . import policy
+from ._autodiff import grad, value_and_grad
+from ._extract import extract, functional_call
+from ._grouping import group
+from ._spec import LocalShard, ShardSpec, from_local, to_local
+from .transforms import reduce, shard, unshard
+
+__all__ = [
+    "LocalShard",
+    "ShardSpec",
+    "extract",
+    "from_local",
+    "functional_call",
+    "grad",
+    "group",
+    "policy",
+    "reduce",
+    "shard",
+    "to_local",
+    "unshard",
+    "value_and_grad",
+]

@@ -1,0 +1,291 @@
+"""Bucketed all-gather and reduce-scatter of many shards: one collective per bucket and mesh dim.
+
+Leaves that share a mesh, the kind of placement on each mesh dim (Shard/Replicate) and a dtype
+form a *bucket*. A bucket's local shards are padded to equal chunks, concatenated into one flat
+buffer ("copy-in"), gathered with a single all-gather per sharded mesh dim, and split back
+("copy-out"), as FSDP2's ``foreach_all_gather`` does. Shard dims may differ inside a bucket.
+All of this is plain differentiable tensor code around the Functions of ``_collectives``, so
+autograd and ``torch.func`` derive the reduce-scatter side (and its batching) themselves.
+
+[Note: order of mesh dims]
+A bucket first marks its replicated mesh dims (``Broadcast``: identity forward, all-reduce
+backward) on the *local* flat buffer, then gathers sharded mesh dims from the last to the first
+(DTensor splits mesh dim 0 first). Both orders are the same linear map, but this one makes HSDP's
+backward reduce-scatter the full gradient first and all-reduce only the small shard, as FSDP2.
+
+[Note: flat dtype]
+The flat buffer is in the all-gather dtype (``param_dtype``) when gradients are reduced in that
+same dtype, otherwise in the shard's dtype (``AllGather`` then casts). Either way the backward
+reduce-scatter's output dtype equals the buffer's, so it can stay pending until ``Wait``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import Shard
+
+from . import _collectives as C
+from ._spec import ShardSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How one leaf's *logical* local tensor relates to its spec.
+
+    ``lead`` is the number of leading spec dims stripped by ``vmap`` (see [Note: leading dims
+    stripped by vmap] in ``_spec``); ``levels[i]`` is the logical shape after sharding mesh dims
+    ``0..i-1``.
+    """
+
+    path: str
+    spec: ShardSpec
+    lead: int
+    levels: tuple[tuple[int, ...], ...]
+
+    @staticmethod
+    def of(path: str, spec: ShardSpec, local: torch.Tensor) -> Layout:
+        """The layout of a logical local shard; checks its shape against ``spec``."""
+        lead = len(spec.shape) - local.dim()
+        levels = spec.level_shapes()
+        if lead < 0 or tuple(local.shape) != levels[-1][lead:]:
+            raise ValueError(
+                f"{path!r}: local tensor has shape {list(local.shape)}, but its spec "
+                f"({spec.placements} of {list(spec.shape)}) gives local shape {list(levels[-1])} "
+                "on this rank. Pass the shards made by fs.shard / fs.to_local unchanged (under "
+                "vmap, map over leading dims only)."
+            )
+        return Layout.stripped(path, spec, lead)
+
+    @staticmethod
+    def stripped(path: str, spec: ShardSpec, lead: int) -> Layout:
+        """The layout of ``spec`` with its first ``lead`` dims mapped over by ``vmap``."""
+        for p in spec.placements:
+            if isinstance(p, Shard) and p.dim < lead:
+                raise ValueError(
+                    f"{path!r} is sharded along dim {p.dim}, which vmap maps over. Stack ensemble "
+                    "members along dim 0 and shard a later dim (e.g. placements=Shard(1))."
+                )
+        return Layout(path, spec, lead, tuple(s[lead:] for s in spec.level_shapes()))
+
+    def dim(self, mesh_dim: int) -> int:
+        return self.spec.placements[mesh_dim].dim - self.lead
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Static options of a gather: dtypes, gradient reduction and the profiler label."""
+
+    label: str
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    mean: bool = True
+
+
+@dataclasses.dataclass
+class _Level:
+    """A gather of one mesh dim, issued and not yet copied out."""
+
+    buffer: torch.Tensor
+    world: int
+    shapes: list[tuple[int, ...]]  # padded chunk shapes
+    dims: list[int]
+    sizes: list[int]  # sizes along dims after the gather
+
+
+@dataclasses.dataclass
+class _Started:
+    """One bucket's gather, issued."""
+
+    index: list[int]
+    layouts: list[Layout]
+    state: _Level | list[torch.Tensor]  # a pending gather, or (replicated only) the results
+    out_dtype: torch.dtype
+
+
+@dataclasses.dataclass
+class Inflight:
+    """Gathers issued by :func:`issue`; :func:`finish` waits and copies them out."""
+
+    buckets: list[_Started]
+    count: int
+    opts: Options
+
+
+def _comm(layout: Layout, mesh_dim: int, opts: Options, dtype, async_op: bool) -> C.Comm:
+    mesh = layout.spec.mesh
+    gather = opts.param_dtype or dtype
+    return C.Comm(
+        group=mesh.get_group(mesh_dim).group_name,
+        world=mesh.size(mesh_dim),
+        label=opts.label,
+        gather_dtype=gather,
+        reduce_dtype=opts.reduce_dtype or gather,
+        mean=opts.mean,
+        async_op=async_op,
+    )
+
+
+def _mesh_dims(layout: Layout) -> tuple[list[int], list[int]]:
+    """(sharded, replicated) mesh dims of a leaf."""
+    placements = layout.spec.placements
+    sharded = [i for i, p in enumerate(placements) if isinstance(p, Shard)]
+    return sharded, [i for i in range(len(placements)) if i not in sharded]
+
+
+def _buckets(tensors: Sequence[torch.Tensor], layouts: Sequence[Layout]) -> list[list[int]]:
+    keys: dict[tuple, list[int]] = {}
+    for i, (t, lay) in enumerate(zip(tensors, layouts, strict=True)):
+        kinds = tuple(isinstance(p, Shard) for p in lay.spec.placements)
+        keys.setdefault((lay.spec.mesh, kinds, t.dtype), []).append(i)
+    return list(keys.values())
+
+
+def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    extra = size - x.shape[dim]
+    return x if extra == 0 else F.pad(x, [0, 0] * (x.dim() - 1 - dim) + [0, extra])
+
+
+def _from_rank_major(rows: torch.Tensor, chunk_shape: tuple[int, ...], dim: int) -> torch.Tensor:
+    """``[W, prod(chunk_shape)]`` -> the W chunks concatenated along ``dim``."""
+    w = rows.shape[0]
+    out = rows.view(w, *chunk_shape).movedim(0, dim)
+    return out.reshape(*chunk_shape[:dim], w * chunk_shape[dim], *chunk_shape[dim + 1 :])
+
+
+def _to_rank_major(x: torch.Tensor, dim: int, world: int) -> torch.Tensor:
+    """Inverse of :func:`_from_rank_major`: ``[.., W*c, ..]`` -> ``[W, numel / W]``."""
+    return x.unflatten(dim, (world, x.shape[dim] // world)).movedim(dim, 0).reshape(world, -1)
+
+
+def _split(flat: torch.Tensor, shapes, dims, sizes) -> list[torch.Tensor]:
+    """Split a flat buffer into tensors of ``shapes``, each narrowed along its dim (if not None)
+    to its size."""
+    out = []
+    for piece, shape, d, n in zip(flat.split([math.prod(s) for s in shapes]), shapes, dims, sizes,
+                                  strict=True):
+        x = piece.view(shape)
+        out.append(x if d is None or x.shape[d] == n else x.narrow(d, 0, n))
+    return out
+
+
+def _start_level(xs, layouts, mesh_dim: int, comm: C.Comm, flat_dtype, broadcasts) -> _Level:
+    """Pad, copy in, mark replicated mesh dims, and issue the all-gather of one mesh dim."""
+    dims = [lay.dim(mesh_dim) for lay in layouts]
+    sizes = [lay.levels[mesh_dim][d] for lay, d in zip(layouts, dims, strict=True)]
+    padded = [_pad(x, d, -(-n // comm.world)) for x, d, n in zip(xs, dims, sizes, strict=True)]
+    flat = torch.cat([x.reshape(-1) for x in padded]).to(flat_dtype)
+    if comm.async_op:
+        flat = C.Wait.apply(flat)
+    for b in broadcasts:
+        flat = C.Broadcast.apply(flat, b)
+    buffer = C.AllGather.apply(flat, comm)
+    return _Level(buffer, comm.world, [tuple(p.shape) for p in padded], dims, sizes)
+
+
+def _finish_level(level: _Level) -> list[torch.Tensor]:
+    rows = C.wait(level.buffer).view(level.world, -1)
+    out = []
+    for r, shape, d, n in zip(rows.split([math.prod(s) for s in level.shapes], dim=1),
+                              level.shapes, level.dims, level.sizes, strict=True):
+        full = _from_rank_major(r, shape, d)
+        out.append(full if full.shape[d] == n else full.narrow(d, 0, n))
+    return out
+
+
+def issue(tensors: Sequence[torch.Tensor], layouts: Sequence[Layout], opts: Options) -> Inflight:
+    """Start gathering ``tensors`` (logical local shards) to their full logical shapes.
+
+    Under plain autograd each bucket's first all-gather is left pending; :func:`finish` waits.
+    """
+    async_op = C.async_allowed()
+    started = []
+    for idx in _buckets(tensors, layouts):
+        xs, lays = [tensors[i] for i in idx], [layouts[i] for i in idx]
+        sharded, replicated = _mesh_dims(lays[0])
+        first = sharded[-1] if sharded else replicated[0]  # see [Note: order of mesh dims]
+        comm = _comm(lays[0], first, opts, xs[0].dtype, async_op)
+        flat_dtype = comm.gather_dtype if comm.reduce_dtype == comm.gather_dtype else xs[0].dtype
+        broadcasts = [_comm(lays[0], r, opts, xs[0].dtype, async_op) for r in replicated]
+        if sharded:
+            state: _Level | list[torch.Tensor] = _start_level(
+                xs, lays, first, comm, flat_dtype, broadcasts
+            )
+        else:
+            flat = torch.cat([x.reshape(-1) for x in xs]).to(flat_dtype)
+            flat = C.Wait.apply(flat) if async_op else flat
+            for b in broadcasts:
+                flat = C.Broadcast.apply(flat, b)
+            shapes = [tuple(x.shape) for x in xs]
+            state = [f.view(s) for f, s in zip(flat.split([x.numel() for x in xs]), shapes,
+                                                strict=True)]
+        started.append(_Started(idx, lays, state, comm.gather_dtype))
+    return Inflight(started, len(tensors), opts)
+
+
+def finish(inflight: Inflight) -> list[torch.Tensor]:
+    """Wait for :func:`issue`'s gathers and return the full tensors, in the order given."""
+    out: list[torch.Tensor | None] = [None] * inflight.count
+    for b in inflight.buckets:
+        fulls = b.state
+        if isinstance(fulls, _Level):
+            fulls = _finish_level(fulls)
+            for m in reversed(_mesh_dims(b.layouts[0])[0][:-1]):  # more sharded dims: synchronous
+                comm = _comm(b.layouts[0], m, inflight.opts, fulls[0].dtype, False)
+                fulls = _finish_level(_start_level(fulls, b.layouts, m, comm, fulls[0].dtype, []))
+        for i, full in zip(b.index, fulls, strict=True):
+            out[i] = full.to(b.out_dtype)
+    return out  # type: ignore[return-value]
+
+
+def gather(tensors: Sequence[torch.Tensor], layouts: Sequence[Layout], opts: Options):
+    """All-gather ``tensors`` to full tensors: :func:`issue` then :func:`finish`."""
+    return finish(issue(tensors, layouts, opts))
+
+
+def scatter(
+    fulls: Sequence[torch.Tensor],
+    layouts: Sequence[Layout],
+    out_dtypes: Sequence[torch.dtype],
+    opts: Options,
+) -> list[torch.Tensor]:
+    """Reduce-scatter full (logical) tensors to the local shards described by ``layouts``.
+
+    The adjoint of :func:`gather`: sharded mesh dims from the first to the last, then an
+    all-reduce of the (smallest) flat result over replicated mesh dims. Synchronous.
+    """
+    out: list[torch.Tensor | None] = [None] * len(fulls)
+    for idx in _buckets(fulls, layouts):
+        xs, lays = [fulls[i] for i in idx], [layouts[i] for i in idx]
+        sharded, replicated = _mesh_dims(lays[0])
+        red = _comm(lays[0], 0, opts, xs[0].dtype, False).reduce_dtype
+        for j, m in enumerate(sharded):
+            comm = _comm(lays[0], m, opts, xs[0].dtype, False)
+            dims = [lay.dim(m) for lay in lays]
+            chunks = [-(-x.shape[d] // comm.world) for x, d in zip(xs, dims, strict=True)]
+            rows = [_to_rank_major(_pad(x, d, c * comm.world), d, comm.world)
+                    for x, d, c in zip(xs, dims, chunks, strict=True)]
+            flat = C.ReduceScatter.apply(torch.cat(rows, dim=1).reshape(-1), comm, red)
+            if j == len(sharded) - 1:
+                flat = _all_reduce(flat, lays[0], replicated, opts)
+            shapes = [x.shape[:d] + (c,) + x.shape[d + 1 :]
+                      for x, d, c in zip(xs, dims, chunks, strict=True)]
+            sizes = [lay.levels[m + 1][d] for lay, d in zip(lays, dims, strict=True)]
+            xs = _split(flat, shapes, dims, sizes)
+        if not sharded:
+            flat = torch.cat([x.reshape(-1) for x in xs]).to(red)
+            flat = _all_reduce(flat, lays[0], replicated, opts)
+            xs = _split(flat, [x.shape for x in xs], [None] * len(xs), [None] * len(xs))
+        for i, x in zip(idx, xs, strict=True):
+            out[i] = x.to(out_dtypes[i])
+    return out  # type: ignore[return-value]
+
+
+def _all_reduce(flat, layout: Layout, mesh_dims, opts: Options) -> torch.Tensor:
+    for m in mesh_dims:
+        flat = C.AllReduce.apply(flat, _comm(layout, m, opts, flat.dtype, False))
+    return C.wait(flat)

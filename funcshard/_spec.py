@@ -1,0 +1,229 @@
+"""Static sharding metadata, and the local-shard view of a sharded tree.
+
+A sharded parameter is stored as a DTensor. Inside ``torch.func`` transforms a DTensor argument
+loses its type (functorch wraps it into a plain tensor), so transforms work on the *local shard*
+plus the *static* :class:`ShardSpec` beside it -- the equinox ``partition`` move, done per leaf.
+
+[Note: LocalShard is a torch pytree node]
+``LocalShard`` is registered with ``torch.utils._pytree``: ``torch.func.grad(f)(to_local(tree))``
+flattens it into its tensor, wraps that tensor, and rebuilds the node with the same static spec,
+so ``f`` sees ``LocalShard(wrapped_tensor, spec)`` and the returned gradient tree has the same
+nodes, ready for :func:`from_local`. It is *not* registered with optree, so funcshard's own tree
+code sees it as a leaf, like a DTensor.
+
+[Note: leading dims stripped by vmap]
+``vmap`` over a stacked tree (an ensemble from ``stack_module_state``) strips leading dims from
+the local tensors while the spec still describes the stacked storage. Specs are therefore read
+from the *trailing* dims: a logical local tensor with ``k`` fewer dims than the spec is the spec
+with its first ``k`` dims removed. Sharding a stripped dim is an error (each rank would hold
+different members); stack along dim 0 and shard a later dim, e.g. ``placements=Shard(1)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import torch.utils._pytree as torch_pytree
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+from ._tree import PyTree, map_with_path
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    """Where a sharded tensor lives: mesh, placements, global shape and stride.
+
+    ``placements[i]`` is ``Shard(d)`` or ``Replicate()`` for mesh dim ``i`` (DTensor semantics,
+    uneven sizes split as ``torch.chunk`` does).
+    """
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @staticmethod
+    def of(dtensor: DTensor) -> ShardSpec:
+        return ShardSpec(
+            dtensor.device_mesh,
+            tuple(dtensor.placements),
+            tuple(dtensor.shape),
+            tuple(dtensor.stride()),
+        )
+
+    def level_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """This rank's shape after sharding mesh dims ``0..i-1``, for ``i = 0..mesh.ndim``.
+
+        ``[0]`` is the global shape and ``[-1]`` the local shard's shape.
+        """
+        return _level_shapes(
+            self.shape, tuple(self.mesh.shape), self.placements, tuple(self.mesh.get_coordinate())
+        )
+
+    def local_offset(self) -> tuple[int, ...]:
+        """Offset of this rank's local shard in the global tensor."""
+        offset = [0] * len(self.shape)
+        coord = self.mesh.get_coordinate()
+        shapes = self.level_shapes()
+        for i, p in enumerate(self.placements):
+            if isinstance(p, Shard):
+                offset[p.dim] += chunk(shapes[i][p.dim], self.mesh.size(i), coord[i])[1]
+        return tuple(offset)
+
+
+def chunk(size: int, parts: int, index: int) -> tuple[int, int]:
+    """``(length, offset)`` of chunk ``index`` when ``size`` is split as ``torch.chunk`` does.
+
+    Chunks have ``ceil(size / parts)`` elements; trailing chunks may be short or empty.
+    """
+    full = -(-size // parts)
+    start = min(full * index, size)
+    return min(size, start + full) - start, start
+
+
+@functools.lru_cache(maxsize=4096)
+def _level_shapes(shape, mesh_shape, placements, coord) -> tuple[tuple[int, ...], ...]:
+    current = list(shape)
+    out = [tuple(current)]
+    for i, p in enumerate(placements):
+        if isinstance(p, Shard):
+            current[p.dim] = chunk(current[p.dim], mesh_shape[i], coord[i])[0]
+        out.append(tuple(current))
+    return tuple(out)
+
+
+class LocalShard:
+    """A local shard and its static :class:`ShardSpec`: the form sharded trees take inside
+    ``torch.func`` transforms. Build trees of them with :func:`to_local`; turn them back into
+    DTensors with :func:`from_local`. ``tensor`` is this rank's shard (shape ``spec``'s local shape,
+    possibly with leading dims removed by ``vmap``)."""
+
+    __slots__ = ("spec", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, spec: ShardSpec) -> None:
+        self.tensor = tensor
+        self.spec = spec
+
+    def __repr__(self) -> str:
+        t = self.tensor
+        shape = list(t.shape) if isinstance(t, torch.Tensor) else t
+        pl = ", ".join(str(p) for p in self.spec.placements)
+        return f"LocalShard({shape} of {list(self.spec.shape)}, ({pl}), {getattr(t, 'dtype', '')})"
+
+
+torch_pytree.register_pytree_node(
+    LocalShard,
+    lambda node: ([node.tensor], node.spec),
+    lambda children, spec: LocalShard(children[0], spec),
+    serialized_type_name="funcshard.LocalShard",
+    flatten_with_keys_fn=lambda node: ([(torch_pytree.GetAttrKey("tensor"), node.tensor)], node.spec),
+)
+
+
+def to_local(sharded: PyTree) -> PyTree:
+    """DTensor leaves -> :class:`LocalShard` leaves (same tree structure), for ``torch.func``.
+
+    Call it once before a ``torch.func`` transform: ``torch.func.grad(f)(fs.to_local(sharded), x)``
+    where ``f`` calls :func:`~funcshard.unshard`; turn the returned gradients back with
+    :func:`from_local`. Leaves that are not DTensors are returned unchanged.
+    """
+    return map_with_path(
+        lambda _, x: LocalShard(x.to_local(), ShardSpec.of(x)) if isinstance(x, DTensor) else x,
+        sharded,
+    )
+
+
+def from_local(tree: PyTree) -> PyTree:
+    """:class:`LocalShard` leaves -> DTensors with their spec's placements (no communication).
+
+    Raises:
+        ValueError: a leaf's tensor does not have its spec's local shape (for instance the
+            gradient of a single ensemble member, with the stacked dims stripped).
+    """
+
+    def convert(path: str, x):
+        if not isinstance(x, LocalShard):
+            return x
+        spec, t = x.spec, x.tensor
+        local = spec.level_shapes()[-1]
+        if tuple(t.shape) != local:
+            raise ValueError(
+                f"from_local: {path!r} has shape {list(t.shape)}, but its spec ({spec.placements} "
+                f"of {list(spec.shape)}) has local shape {list(local)} on this rank. Convert whole "
+                "results, e.g. the output of vmap over every stacked member, not slices of them."
+            )
+        return DTensor.from_local(
+            t, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride
+        )
+
+    return map_with_path(convert, tree)
+
+
+def check_storage_placements(path: str, placements, mesh: DeviceMesh, ndim: int) -> None:
+    """Placements funcshard can store: ``Shard(d)`` with ``0 <= d < ndim`` or ``Replicate()``.
+
+    Raises:
+        ValueError: with the parameter's path, the offending placement and the fix.
+    """
+    if len(placements) != mesh.ndim:
+        raise ValueError(
+            f"{path!r}: {len(placements)} placements {tuple(placements)} for a {mesh.ndim}-D mesh; "
+            "give one placement per mesh dim, e.g. (Replicate(), Shard(0)) for HSDP on a 2-D mesh."
+        )
+    for p in placements:
+        if type(p) is Replicate:
+            continue
+        if type(p) is not Shard:
+            raise ValueError(
+                f"{path!r}: placement {p} cannot store a parameter; funcshard stores parameters as "
+                "Shard(dim) or Replicate(). Reduce Partial tensors first (fs.reduce) and use "
+                "plain Shard instead of strided sharding."
+            )
+        if ndim == 0:
+            raise ValueError(
+                f"{path!r} is a 0-d tensor and cannot be split with {p}; use Replicate() for it "
+                "(the default for 0-d tensors)."
+            )
+        if not 0 <= p.dim < ndim:
+            raise ValueError(
+                f"{path!r}: {p} is out of range for a {ndim}-d tensor; use Shard(d) with "
+                f"0 <= d < {ndim} (negative dims are not normalised in DTensor placements)."
+            )
+
+
+def _unwrap_functorch(x: torch.Tensor) -> torch.Tensor:
+    while torch._C._functorch.is_functorch_wrapped_tensor(x):
+        x = torch._C._functorch.get_unwrapped(x)
+    return x
+
+
+def as_local(path: str, leaf, fn: str) -> tuple[torch.Tensor, ShardSpec]:
+    """``(local tensor, spec)`` of a sharded leaf: a DTensor or a :class:`LocalShard`.
+
+    Raises:
+        TypeError: for a non-tensor leaf, a plain tensor, or a DTensor that lost its type inside a
+            ``torch.func`` transform -- each message names ``path`` and the fix.
+    """
+    if isinstance(leaf, LocalShard):
+        return leaf.tensor, leaf.spec
+    if isinstance(leaf, DTensor):
+        return leaf.to_local(), ShardSpec.of(leaf)
+    if not isinstance(leaf, torch.Tensor):
+        raise TypeError(
+            f"{fn}: {path!r} is a {type(leaf).__name__}, not a sharded tensor. Trees passed to "
+            f"{fn} hold only DTensors from fs.shard (or LocalShards from fs.to_local); keep "
+            "other values outside the tree, or use None for an absent entry."
+        )
+    if isinstance(_unwrap_functorch(leaf), DTensor):
+        raise TypeError(
+            f"{fn}: {path!r} is a DTensor that reached {fn} inside a torch.func transform, where "
+            "DTensor arguments lose their type. Convert the tree once before the transform and "
+            "once after: grads = fs.from_local(torch.func.grad(f)(fs.to_local(sharded), ...))."
+        )
+    raise TypeError(
+        f"{fn}: {path!r} is a plain torch.Tensor of shape {list(leaf.shape)}, not a shard. "
+        "Shard the tree first with fs.shard(params, mesh)."
+    )

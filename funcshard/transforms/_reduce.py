@@ -1,0 +1,67 @@
+"""``reduce``: full gradients computed by the user -> shards placed like a sharded tree."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .. import _flat
+from .._spec import LocalShard, as_local
+from .._tree import PyTree, flatten, flatten_like, unflatten
+from ._unshard import reduce_mean
+
+
+def reduce(
+    full_grads: PyTree,
+    like: PyTree,
+    *,
+    op: str = "mean",
+    reduce_dtype: torch.dtype | None = None,
+) -> PyTree:
+    """Reduce-scatter full per-rank tensors into shards placed like ``like``.
+
+    For gradients you computed yourself on full parameters (per-sample gradients after clipping,
+    accumulated micro-batches, ...). One reduce-scatter per bucket, plus an all-reduce over
+    replicated mesh dims. Differentiable (its backward is an all-gather).
+
+    Args:
+        full_grads: a tree with the structure of ``like`` whose leaves are full tensors of the
+            global (per-member, under ``vmap``) shapes.
+        like: the sharded tree to match: DTensors, or LocalShards inside ``torch.func``.
+        op: ``"mean"`` averages over all ranks (DDP/FSDP), ``"sum"`` adds.
+        reduce_dtype: dtype of the communication; results come back in ``like``'s dtypes.
+
+    Returns:
+        ``like``'s structure: DTensors (or LocalShards, matching ``like``'s leaves).
+
+    Raises:
+        ValueError: the trees' structures differ (naming the keys), a shape does not match.
+        TypeError: a leaf of ``full_grads`` is not a tensor, or of ``like`` not a shard.
+    """
+    mean = reduce_mean(op, "op")
+    paths, like_leaves, spec = flatten(like)
+    fulls = flatten_like(full_grads, like, what="full_grads", like_what="like")
+    layouts, dtypes = [], []
+    for path, full, leaf in zip(paths, fulls, like_leaves, strict=True):
+        local, shard_spec = as_local(path, leaf, "reduce")
+        if not isinstance(full, torch.Tensor):
+            raise TypeError(f"reduce: full_grads at {path!r} is a {type(full).__name__}, not a "
+                            "tensor.")
+        lead = len(shard_spec.shape) - full.dim()
+        if lead < 0 or tuple(full.shape) != shard_spec.shape[lead:]:
+            raise ValueError(
+                f"reduce: full_grads at {path!r} has shape {list(full.shape)}, expected the full "
+                f"shape {list(shard_spec.shape)} of the parameter it reduces into."
+            )
+        layouts.append(_flat.Layout.stripped(path, shard_spec, lead))
+        dtypes.append(local.dtype)
+    opts = _flat.Options("reduce", reduce_dtype=reduce_dtype, mean=mean)
+    outs = _flat.scatter(fulls, layouts, dtypes, opts) if fulls else []
+    return unflatten(spec, [_like(out, leaf) for out, leaf in zip(outs, like_leaves, strict=True)])
+
+
+def _like(out: torch.Tensor, leaf):
+    if isinstance(leaf, DTensor):
+        return DTensor.from_local(out, leaf.device_mesh, leaf.placements, run_check=False,
+                                  shape=leaf.shape, stride=leaf.stride())
+    return LocalShard(out, leaf.spec)

@@ -1,0 +1,111 @@
+"""``shard``: full tensors every rank holds -> DTensor shards, without communication."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+from .._spec import ShardSpec, check_storage_placements
+from .._tree import PyTree, map_with_path
+
+Placements = Placement | Sequence[Placement]
+PlacementFn = Callable[[str, torch.Tensor], "Placements | None"]
+
+
+def shard(
+    params: PyTree,
+    mesh: DeviceMesh,
+    placements: Placements | PlacementFn | None = None,
+) -> PyTree:
+    """Split every tensor of ``params`` across ``mesh``; return the same tree of DTensor shards.
+
+    Every rank must pass the same values (same seed or loaded checkpoint): each keeps its own
+    chunk, so no communication happens. Local shards are fresh contiguous tensors, so the full
+    tensors can be freed afterwards. ``requires_grad`` is kept.
+
+    Args:
+        params: a pytree of tensors, e.g. the ``params`` of :func:`~funcshard.extract`.
+        mesh: a 1-D mesh (FSDP) or a 2-D ``(replicate, shard)`` mesh (HSDP), whose size is the
+            world size of the default process group.
+        placements: one placement per mesh dim; or a single placement, meaning that placement on
+            the last mesh dim and ``Replicate()`` on the others; or ``fn(path, tensor)`` returning
+            either (or ``None`` for the default), like FSDP2's ``shard_placement_fn``. Default:
+            ``Shard(0)`` on the last mesh dim (``Replicate()`` for 0-d tensors). Sizes need not
+            divide: chunks follow ``torch.chunk``, and trailing ranks may hold empty shards.
+
+    Returns:
+        The same structure with ``DTensor`` leaves; ``None`` entries stay ``None``.
+
+    Raises:
+        RuntimeError: no default process group.
+        ValueError: the mesh size is not the world size; a leaf is already a DTensor; a placement
+            is not ``Shard``/``Replicate``, is out of range, or shards a 0-d tensor; a tensor is
+            on another device type than the mesh.
+        TypeError: a leaf is not a tensor.
+    """
+    _check_mesh(mesh)
+
+    def one(path: str, x) -> DTensor:
+        if isinstance(x, DTensor):
+            raise ValueError(
+                f"shard: {path!r} is already a DTensor with placements {tuple(x.placements)}; "
+                "pass full tensors (fs.extract(module)[0]), not an already sharded tree."
+            )
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(
+                f"shard: {path!r} is a {type(x).__name__}; every leaf must be a tensor (use None "
+                "for an absent entry)."
+            )
+        if x.device.type not in (mesh.device_type, "meta"):
+            raise ValueError(
+                f"shard: {path!r} is on {x.device}, but the mesh is a {mesh.device_type!r} mesh; "
+                f"move the parameters to {mesh.device_type!r} (or build the mesh for "
+                f"{x.device.type!r}) first."
+            )
+        pl = _resolve(path, x, mesh, placements)
+        check_storage_placements(path, pl, mesh, x.dim())
+        stride = torch.empty(x.shape, device="meta").stride()
+        spec = ShardSpec(mesh, pl, tuple(x.shape), tuple(stride))
+        local = x.detach()
+        for d, (offset, size) in enumerate(zip(spec.local_offset(), spec.level_shapes()[-1],
+                                               strict=True)):
+            if size != x.shape[d]:
+                local = local.narrow(d, offset, size)
+        local = local.clone(memory_format=torch.contiguous_format)
+        out = DTensor.from_local(local, mesh, pl, run_check=False, shape=x.shape, stride=stride)
+        return out.requires_grad_(x.requires_grad)
+
+    return map_with_path(one, params)
+
+
+def _resolve(path: str, x: torch.Tensor, mesh: DeviceMesh, placements) -> tuple[Placement, ...]:
+    p = placements
+    if callable(p) and not isinstance(p, Placement):
+        p = p(path, x)
+    if p is None:
+        p = Replicate() if x.dim() == 0 else Shard(0)
+    if isinstance(p, Placement):
+        p = (Replicate(),) * (mesh.ndim - 1) + (p,)
+    return tuple(p)
+
+
+def _check_mesh(mesh: DeviceMesh) -> None:
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "shard: no default process group; call torch.distributed.init_process_group (or "
+            "init_device_mesh, which does it) on every rank first."
+        )
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"shard: mesh must be a DeviceMesh, got {type(mesh).__name__}.")
+    world = dist.get_world_size()
+    if mesh.size() != world:
+        raise ValueError(
+            f"shard: the mesh has {mesh.size()} ranks (shape {tuple(mesh.shape)}), but the process "
+            f"group has {world}; funcshard shards over every rank. Build the mesh with "
+            f"init_device_mesh({mesh.device_type!r}, ({world},)) for FSDP, or "
+            f"(replicas, {world} // replicas) for HSDP."
+        )

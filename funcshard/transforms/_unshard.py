@@ -1,0 +1,67 @@
+"""``unshard``: DTensor (or LocalShard) shards -> full tensors, differentiably."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _flat
+from .._spec import as_local
+from .._tree import PyTree, flatten, unflatten
+
+
+def unshard(
+    sharded: PyTree,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    grad_reduce: str = "mean",
+) -> PyTree:
+    """All-gather every shard of ``sharded``; return the same tree of plain full tensors.
+
+    One all-gather per bucket of leaves with the same mesh, placement kinds and dtype (usually one
+    for the whole tree). Differentiable with plain autograd and every ``torch.func`` transform:
+    the backward is a reduce-scatter (plus an all-reduce over replicated mesh dims, e.g. HSDP's
+    replicate dim).
+
+    Args:
+        sharded: DTensor leaves (from :func:`~funcshard.shard`) or, inside ``torch.func``
+            transforms, :class:`~funcshard.LocalShard` leaves (from :func:`~funcshard.to_local`).
+            Under ``vmap`` over stacked shards the local tensors lose leading dims: the full
+            tensors then have the per-member shape.
+        param_dtype: cast each shard to this dtype *before* the all-gather (communication and
+            the returned tensors in low precision). Default: the shard's dtype.
+        reduce_dtype: dtype of the backward reduce-scatter. Default: ``param_dtype`` (as FSDP2).
+            Gradients come back in each shard's own dtype.
+        grad_reduce: ``"mean"`` averages gradients over all ranks (DDP/FSDP semantics: the
+            gradient of the mean of the ranks' losses, i.e. of the global-batch mean loss when
+            each rank averages over an equal local batch); ``"sum"`` is the exact adjoint.
+
+    Returns:
+        The same structure with full tensors (global shape, ``param_dtype`` or the shard's dtype).
+
+    Raises:
+        TypeError: a leaf is not a shard (see :func:`~funcshard.to_local` for ``torch.func``).
+        RuntimeError: shards still on the meta device.
+        ValueError: bad ``grad_reduce``; a local tensor that does not match its spec.
+    """
+    paths, leaves, spec = flatten(sharded)
+    locals_, layouts = [], []
+    for path, leaf in zip(paths, leaves, strict=True):
+        local, shard_spec = as_local(path, leaf, "unshard")
+        locals_.append(local)
+        layouts.append(_flat.Layout.of(path, shard_spec, local))
+    on_meta = [p for p, x in zip(paths, locals_, strict=True) if x.device.type == "meta"]
+    if on_meta:
+        raise RuntimeError(
+            f"unshard: parameters are still on the meta device: {on_meta}. Materialize them before "
+            "sharding: build the module on a real device, or call module.to_empty(device=...) and "
+            "re-initialize (e.g. reset_parameters()) before fs.extract / fs.shard."
+        )
+    opts = _flat.Options("unshard", param_dtype, reduce_dtype, mean=reduce_mean(grad_reduce))
+    return unflatten(spec, _flat.gather(locals_, layouts, opts) if locals_ else [])
+
+
+def reduce_mean(op: str, name: str = "grad_reduce") -> bool:
+    if op not in ("mean", "sum"):
+        raise ValueError(f"{name} must be 'mean' or 'sum', got {op!r}.")
+    return op == "mean"

@@ -1,0 +1,101 @@
+"""Small models and reference computations shared by the tests (run inside rank processes)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        att = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(d // self.heads)
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+        return self.out(torch.einsum("bhts,bshd->bthd", att, v).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = Attention(d, heads)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 3 * d), nn.GELU(), nn.Linear(3 * d, d))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyLM(nn.Module):
+    """Tied embedding/head, learned positions, LayerNorm, and a BatchNorm with running stats."""
+
+    def __init__(self, vocab=37, d=16, heads=2, layers=2, max_len=8, batchnorm=True) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(max_len, d) * 0.02)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(d)
+        self.bn = nn.BatchNorm1d(d) if batchnorm else nn.Identity()
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        h = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            h = block(h)
+        h = self.bn(self.norm(h).transpose(1, 2)).transpose(1, 2)
+        return self.head(h)
+
+
+def lm_loss(logits, tokens):
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def tokens(rank: int, batch: int = 3, length: int = 8, vocab: int = 37, step: int = 0):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, vocab, (batch, length), generator=g)
+
+
+def make(cls=TinyLM, seed: int = 0, **kw):
+    torch.manual_seed(seed)
+    return cls(**kw)
+
+
+def reference_step(model: nn.Module, batches, loss_fn=lm_loss):
+    """Mean over ``batches`` (one per rank) of each batch's loss, computed unsharded.
+
+    Each batch runs on its own copy of the model, as each rank's BatchNorm sees only its own
+    batch. Returns (mean loss, {fqn: grad}, [buffers after each batch]).
+    """
+    losses, grads, buffers = [], None, []
+    for batch in batches:
+        m = copy.deepcopy(model)
+        loss = loss_fn(m(batch), batch)
+        loss.backward()
+        losses.append(loss.detach())
+        g = {n: p.grad for n, p in m.named_parameters()}
+        grads = g if grads is None else {n: grads[n] + g[n] for n in g}
+        buffers.append({n: b.clone() for n, b in m.named_buffers()})
+    n = len(batches)
+    return torch.stack(losses).mean(), {k: v / n for k, v in grads.items()}, buffers
+
+
+def shard_of(full: torch.Tensor, dtensor) -> torch.Tensor:
+    """This rank's chunk of ``full``, placed like ``dtensor`` (an independent slicing)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full.detach(), dtensor.device_mesh, dtensor.placements,
+                             src_data_rank=None).to_local()
