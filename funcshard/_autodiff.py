@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ._spec import LocalShard
-from ._tree import PyTree, flatten, unflatten
+from ._tree import flatten, unflatten
 
 
 def value_and_grad(

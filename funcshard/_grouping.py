@@ -26,8 +26,11 @@ class Policy:
     def __call__(self, name: str, module: nn.Module, unassigned_numel: int) -> bool:
         raise NotImplementedError
 
-    def descend(self, module: nn.Module) -> bool:
-        """Whether to look for groups inside ``module``."""
+    def descend(self, module: nn.Module, numel: int) -> bool:
+        """Whether to consider ``module`` (``numel`` parameters) and look inside it at all.
+
+        As FSDP1's ``recurse=True`` policy call: ``False`` keeps the whole subtree out of groups.
+        """
         return True
 
     def check(self, root: nn.Module) -> None:
@@ -51,8 +54,8 @@ class _BySize(Policy):
     def __call__(self, name, module, unassigned_numel):
         return unassigned_numel >= self.min_params and not isinstance(module, self.excluded_types)
 
-    def descend(self, module):
-        return not isinstance(module, self.leaf_types)
+    def descend(self, module, numel):
+        return numel >= self.min_params and not isinstance(module, self.leaf_types)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,8 +89,8 @@ class _AnyOf(Policy):
     def __call__(self, name, module, unassigned_numel):
         return any(p(name, module, unassigned_numel) for p in self.policies)
 
-    def descend(self, module):
-        return all(p.descend(module) for p in self.policies)
+    def descend(self, module, numel):
+        return any(p.descend(module, numel) for p in self.policies)
 
     def check(self, root):
         for p in self.policies:
@@ -107,7 +110,8 @@ def by_size(min_params: int) -> Policy:
     """Modules with at least ``min_params`` parameters not already in a group below them.
 
     As FSDP1's ``size_based_auto_wrap_policy``: decided bottom-up; ``ModuleList``/``ModuleDict``
-    are never groups; ``MultiheadAttention`` is not looked into.
+    are never groups; ``MultiheadAttention`` is neither a group nor looked into (its parameters
+    go to the group above it).
     """
     if not isinstance(min_params, int) or min_params < 0:
         raise ValueError(f"policy.by_size needs a non-negative int, got {min_params!r}.")
@@ -202,14 +206,13 @@ def _select(module, fqn, policy, ignored_modules, ignored_params, names, selecte
     own = {names[f"{fqn}.{n}" if fqn else n]: p for n, p in
            module.named_parameters(remove_duplicate=False)}
     total = sum(p.numel() for n, p in own.items() if n not in ignored_params)
-    if not policy.descend(module):
-        claimed = 0
-    else:
-        claimed = sum(
-            _select(c, f"{fqn}.{n}" if fqn else n, policy, ignored_modules, ignored_params, names,
-                    selected, seen)
-            for n, c in module.named_children()
-        )
+    if not policy.descend(module, total):
+        return 0
+    claimed = sum(
+        _select(c, f"{fqn}.{n}" if fqn else n, policy, ignored_modules, ignored_params, names,
+                selected, seen)
+        for n, c in module.named_children()
+    )
     if policy(fqn, module, total - claimed):
         selected.add(module)
         return total

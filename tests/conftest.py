@@ -1,5 +1,4 @@
 import pytest
-
 from _world import World
 
 _worlds: dict[int, World] = {}

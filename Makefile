@@ -1,0 +1,27 @@
+# Two entry points for a fresh machine; each creates the virtual environment it needs.
+#   make train   -- the main job: a real 2-rank sharded training run on CPU (gloo)
+#   make test    -- lint + the test suite (real gloo process groups, 2 and 4 ranks)
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.funcshard-installed
+
+.PHONY: train test lint bench
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+train: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node 2 examples/train.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+test: lint
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node 2 benchmarks/step.py
