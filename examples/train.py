@@ -61,7 +61,7 @@ def batch(step: int, rank: int, size: int, length: int, vocab: int) -> torch.Ten
     g = torch.Generator().manual_seed(step * 1000 + rank)
     start = torch.randint(0, vocab, (size, 1), generator=g)
     steps = torch.arange(length)
-    return (start * 7 ** steps + 3 * (7 ** steps - 1) // 6) % vocab
+    return (start * 7**steps + 3 * (7**steps - 1) // 6) % vocab
 
 
 def main() -> None:
@@ -86,25 +86,49 @@ def main() -> None:
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
 
     keys = list(sharded)
-    moments = [torch.zeros_like(sharded[k]) for k in keys], [torch.zeros_like(sharded[k]) for k in keys]
+    moments = (
+        [torch.zeros_like(sharded[k]) for k in keys],
+        [torch.zeros_like(sharded[k]) for k in keys],
+    )
     steps = [torch.tensor(0.0) for _ in keys]
     n = sum(p.numel() for p in params.values())
     if rank == 0:
-        print(f"funcshard: {n} parameters sharded over {mesh.size()} ranks "
-              f"({sum(sharded[k].to_local().numel() for k in keys)} on rank 0)")
+        print(
+            f"funcshard: {n} parameters sharded over {mesh.size()} ranks "
+            f"({sum(sharded[k].to_local().numel() for k in keys)} on rank 0)"
+        )
     for step in range(args.steps):
         t0 = time.perf_counter()
         loss, grads = fs.value_and_grad(loss_fn)(sharded, batch(step, rank, 8, length, vocab))
         with torch.no_grad():
-            adamw([sharded[k] for k in keys], [grads[k] for k in keys], *moments, [], steps,
-                  foreach=False, capturable=False, differentiable=False, fused=None,
-                  grad_scale=None, found_inf=None, amsgrad=False, beta1=0.9, beta2=0.95,
-                  lr=args.lr, weight_decay=0.01, eps=1e-8, maximize=False)
+            adamw(
+                [sharded[k] for k in keys],
+                [grads[k] for k in keys],
+                *moments,
+                [],
+                steps,
+                foreach=False,
+                capturable=False,
+                differentiable=False,
+                fused=None,
+                grad_scale=None,
+                found_inf=None,
+                amsgrad=False,
+                beta1=0.9,
+                beta2=0.95,
+                lr=args.lr,
+                weight_decay=0.01,
+                eps=1e-8,
+                maximize=False,
+            )
         mean = loss.clone()
         dist.all_reduce(mean)
         if rank == 0:
-            print(f"step {step:3d}  loss {mean.item() / mesh.size():.4f}  "
-                  f"({(time.perf_counter() - t0) * 1e3:.0f} ms)", flush=True)
+            print(
+                f"step {step:3d}  loss {mean.item() / mesh.size():.4f}  "
+                f"({(time.perf_counter() - t0) * 1e3:.0f} ms)",
+                flush=True,
+            )
     final = mean.item() / mesh.size()
     if rank == 0:
         print(f"done: loss {final:.4f} (uniform guess: {math.log(vocab):.4f})")

@@ -47,16 +47,23 @@ def value_and_grad(
             out = fn(*args, **kwargs)
         value, aux = out if has_aux else (out, None)
         if not (isinstance(value, torch.Tensor) and value.numel() == 1):
+            got = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise TypeError(
                 f"value_and_grad: {getattr(fn, '__name__', 'fn')} must return a scalar tensor"
-                f"{' (as the first element of (value, aux))' if has_aux else ''}, got "
-                f"{type(value).__name__}{list(value.shape) if isinstance(value, torch.Tensor) else ''}."
+                f"{' (as the first element of (value, aux))' if has_aux else ''}, got {got}."
             )
         grads = torch.autograd.grad(value, inputs, allow_unused=True) if inputs else ()
-        grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs, strict=True)]
+        grads = [
+            torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs, strict=True)
+        ]
         trees = [
-            unflatten(spec, [_like(g, x) for g, x in
-                             zip(grads[start : start + len(fresh)], fresh, strict=True)])
+            unflatten(
+                spec,
+                [
+                    _like(g, x)
+                    for g, x in zip(grads[start : start + len(fresh)], fresh, strict=True)
+                ],
+            )
             for spec, fresh, start in rebuild
         ]
         result = trees[0] if isinstance(argnums, int) else tuple(trees)

@@ -97,7 +97,9 @@ def _all_gather(x: torch.Tensor, comm: Comm) -> torch.Tensor:
 def _reduce_scatter(x: torch.Tensor, comm: Comm, out_dtype: torch.dtype) -> torch.Tensor:
     x = _reduce_input(wait(x), comm)
     d, w = comm.dim, comm.world
-    if d != 0:  # [A, W*c, B] -> [W*A, c, B]: rank r's chunk is contiguous and comes back as [A, c, B]
+    if (
+        d != 0
+    ):  # [A, W*c, B] -> [W*A, c, B]: rank r's chunk is contiguous and comes back as [A, c, B]
         x = x.unflatten(d, (w, x.shape[d] // w)).movedim(d, 0).flatten(0, 1)
     with record_function(f"funcshard::reduce_scatter ({comm.label})"):
         y = _ops.reduce_scatter_tensor(x.contiguous(), "sum", w, comm.group)

@@ -38,7 +38,8 @@ def _live_aliases(module: nn.Module) -> dict[str, str]:
     first: dict[int, str] = {}
     aliases = {}
     named = itertools.chain(
-        module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)
+        module.named_parameters(remove_duplicate=False),
+        module.named_buffers(remove_duplicate=False),
     )
     for name, t in named:
         canonical = first.setdefault(id(t), name)

@@ -166,8 +166,9 @@ def _split(flat: torch.Tensor, shapes, dims, sizes) -> list[torch.Tensor]:
     """Split a flat buffer into tensors of ``shapes``, each narrowed along its dim (if not None)
     to its size."""
     out = []
-    for piece, shape, d, n in zip(flat.split([math.prod(s) for s in shapes]), shapes, dims, sizes,
-                                  strict=True):
+    for piece, shape, d, n in zip(
+        flat.split([math.prod(s) for s in shapes]), shapes, dims, sizes, strict=True
+    ):
         x = piece.view(shape)
         out.append(x if d is None or x.shape[d] == n else x.narrow(d, 0, n))
     return out
@@ -190,8 +191,13 @@ def _start_level(xs, layouts, mesh_dim: int, comm: C.Comm, flat_dtype, broadcast
 def _finish_level(level: _Level) -> list[torch.Tensor]:
     rows = C.wait(level.buffer).view(level.world, -1)
     out = []
-    for r, shape, d, n in zip(rows.split([math.prod(s) for s in level.shapes], dim=1),
-                              level.shapes, level.dims, level.sizes, strict=True):
+    for r, shape, d, n in zip(
+        rows.split([math.prod(s) for s in level.shapes], dim=1),
+        level.shapes,
+        level.dims,
+        level.sizes,
+        strict=True,
+    ):
         full = _from_rank_major(r, shape, d)
         out.append(full if full.shape[d] == n else full.narrow(d, 0, n))
     return out
@@ -221,8 +227,9 @@ def issue(tensors: Sequence[torch.Tensor], layouts: Sequence[Layout], opts: Opti
             for b in broadcasts:
                 flat = C.Broadcast.apply(flat, b)
             shapes = [tuple(x.shape) for x in xs]
-            state = [f.view(s) for f, s in zip(flat.split([x.numel() for x in xs]), shapes,
-                                                strict=True)]
+            state = [
+                f.view(s) for f, s in zip(flat.split([x.numel() for x in xs]), shapes, strict=True)
+            ]
         started.append(_Started(idx, lays, state, comm.gather_dtype))
     return Inflight(started, len(tensors), opts)
 
@@ -267,13 +274,17 @@ def scatter(
             comm = _comm(lays[0], m, opts, xs[0].dtype, False)
             dims = [lay.dim(m) for lay in lays]
             chunks = [-(-x.shape[d] // comm.world) for x, d in zip(xs, dims, strict=True)]
-            rows = [_to_rank_major(_pad(x, d, c * comm.world), d, comm.world)
-                    for x, d, c in zip(xs, dims, chunks, strict=True)]
+            rows = [
+                _to_rank_major(_pad(x, d, c * comm.world), d, comm.world)
+                for x, d, c in zip(xs, dims, chunks, strict=True)
+            ]
             flat = C.ReduceScatter.apply(torch.cat(rows, dim=1).reshape(-1), comm, red)
             if j == len(sharded) - 1:
                 flat = _all_reduce(flat, lays[0], replicated, opts)
-            shapes = [x.shape[:d] + (c,) + x.shape[d + 1 :]
-                      for x, d, c in zip(xs, dims, chunks, strict=True)]
+            shapes = [
+                (*x.shape[:d], c, *x.shape[d + 1:])
+                for x, d, c in zip(xs, dims, chunks, strict=True)
+            ]
             sizes = [lay.levels[m + 1][d] for lay, d in zip(lays, dims, strict=True)]
             xs = _split(flat, shapes, dims, sizes)
         if not sharded:

@@ -98,7 +98,7 @@ class _AnyOf(Policy):
 
 
 def by_type(*module_classes: type[nn.Module]) -> Policy:
-    """Every module that is an instance of one of ``module_classes`` (FSDP's ``ModuleWrapPolicy``)."""
+    """Modules that are instances of one of ``module_classes`` (FSDP's ``ModuleWrapPolicy``)."""
     if not module_classes or not all(
         isinstance(c, type) and issubclass(c, nn.Module) for c in module_classes
     ):
@@ -177,14 +177,17 @@ def group(
         stack = [(fqn, m)]
         while stack:  # depth-first, not entering other groups
             prefix, sub = stack.pop()
-            for pname, p in sub.named_parameters(recurse=False):
+            for pname, _p in sub.named_parameters(recurse=False):
                 name = names[f"{prefix}.{pname}" if prefix else pname]
                 if name not in visited:
                     visited.add(name)
                     groups[fqn].append(name)
             children = [(f"{prefix}.{n}" if prefix else n, c) for n, c in sub.named_children()]
-            stack.extend(c for c in reversed(children)
-                         if c[1] not in selected and c[1] not in ignored_modules)
+            stack.extend(
+                c
+                for c in reversed(children)
+                if c[1] not in selected and c[1] not in ignored_modules
+            )
     return groups
 
 
@@ -203,14 +206,24 @@ def _select(module, fqn, policy, ignored_modules, ignored_params, names, selecte
     if module in ignored_modules or module in seen:
         return 0
     seen.add(module)
-    own = {names[f"{fqn}.{n}" if fqn else n]: p for n, p in
-           module.named_parameters(remove_duplicate=False)}
+    own = {
+        names[f"{fqn}.{n}" if fqn else n]: p
+        for n, p in module.named_parameters(remove_duplicate=False)
+    }
     total = sum(p.numel() for n, p in own.items() if n not in ignored_params)
     if not policy.descend(module, total):
         return 0
     claimed = sum(
-        _select(c, f"{fqn}.{n}" if fqn else n, policy, ignored_modules, ignored_params, names,
-                selected, seen)
+        _select(
+            c,
+            f"{fqn}.{n}" if fqn else n,
+            policy,
+            ignored_modules,
+            ignored_params,
+            names,
+            selected,
+            seen,
+        )
         for n, c in module.named_children()
     )
     if policy(fqn, module, total - claimed):

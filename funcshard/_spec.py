@@ -119,7 +119,10 @@ torch_pytree.register_pytree_node(
     lambda node: ([node.tensor], node.spec),
     lambda children, spec: LocalShard(children[0], spec),
     serialized_type_name="funcshard.LocalShard",
-    flatten_with_keys_fn=lambda node: ([(torch_pytree.GetAttrKey("tensor"), node.tensor)], node.spec),
+    flatten_with_keys_fn=lambda node: (
+        [(torch_pytree.GetAttrKey("tensor"), node.tensor)],
+        node.spec,
+    ),
 )
 
 

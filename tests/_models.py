@@ -97,5 +97,6 @@ def shard_of(full: torch.Tensor, dtensor) -> torch.Tensor:
     """This rank's chunk of ``full``, placed like ``dtensor`` (an independent slicing)."""
     from torch.distributed.tensor import distribute_tensor
 
-    return distribute_tensor(full.detach(), dtensor.device_mesh, dtensor.placements,
-                             src_data_rank=None).to_local()
+    return distribute_tensor(
+        full.detach(), dtensor.device_mesh, dtensor.placements, src_data_rank=None
+    ).to_local()

@@ -34,7 +34,10 @@ def _serve(rank: int, world: int, port: int, conn, path: list[str]) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
         timeout=datetime.timedelta(seconds=60),
     )
     while (msg := conn.recv()) is not None:
@@ -64,8 +67,9 @@ class World:
         try:
             for rank in range(self.size):
                 parent, child = ctx.Pipe()
-                p = ctx.Process(target=_serve, args=(rank, self.size, port, child, list(sys.path)),
-                                daemon=True)
+                p = ctx.Process(
+                    target=_serve, args=(rank, self.size, port, child, list(sys.path)), daemon=True
+                )
                 p.start()
                 self._ranks.append((p, parent))
         finally:
@@ -79,7 +83,7 @@ class World:
             conn.send((fn, args, kwargs))
         results, errors = [None] * self.size, {}
         deadline = timeout
-        for rank, (proc, conn) in enumerate(self._ranks):
+        for rank, (_proc, conn) in enumerate(self._ranks):
             if not conn.poll(deadline if not errors else 5):
                 errors[rank] = f"rank {rank}: no result after {deadline}s (hung in a collective?)"
                 continue

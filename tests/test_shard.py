@@ -57,19 +57,25 @@ def _case(draw, mesh_ndim):
     return shape, dt, pls
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(cases=st.lists(_case(1), min_size=1, max_size=4))
 def test_roundtrip_is_exact_2_ranks(world2, cases):
     assert world2.run(roundtrip, cases, (2,)) == [[], []]
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(cases=st.lists(_case(1), min_size=1, max_size=4))
 def test_roundtrip_is_exact_4_ranks(world4, cases):
     assert world4.run(roundtrip, cases, (4,)) == [[]] * 4
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(cases=st.lists(_case(2), min_size=1, max_size=4))
 def test_roundtrip_is_exact_2x2_mesh(world4, cases):
     assert world4.run(roundtrip, cases, (2, 2)) == [[]] * 4
@@ -85,7 +91,10 @@ def semantics():
     assert not out["b"].requires_grad and out["none"] is None
     assert out["w"].placements == (Shard(0),) and out["s"].placements == (Replicate(),)
     local = out["w"].to_local()
-    assert local.is_contiguous() and local.untyped_storage().data_ptr() != w.untyped_storage().data_ptr()
+    assert (
+        local.is_contiguous()
+        and local.untyped_storage().data_ptr() != w.untyped_storage().data_ptr()
+    )
     # a callable chooses per parameter (like FSDP2's shard_placement_fn)
     by_fn = fs.shard({"w": w, "b": b}, m, lambda path, t: Shard(1) if path == "w" else None)
     assert by_fn["w"].placements == (Shard(1),) and by_fn["b"].placements == (Shard(0),)
@@ -118,17 +127,39 @@ def _raises(fn, exc, *needles):
 def errors():
     m = mesh(dist.get_world_size())
     return [
-        _raises(lambda: fs.shard({"a": {"w": torch.ones(2)}}, m, Partial()), ValueError,
-                "a.w", "Partial", "Shard(dim) or Replicate()"),
-        _raises(lambda: fs.shard({"s": torch.tensor(1.0)}, m, Shard(0)), ValueError,
-                "'s'", "0-d", "Replicate()"),
-        _raises(lambda: fs.shard({"w": torch.ones(2, 2)}, m, Shard(2)), ValueError,
-                "'w'", "out of range"),
+        _raises(
+            lambda: fs.shard({"a": {"w": torch.ones(2)}}, m, Partial()),
+            ValueError,
+            "a.w",
+            "Partial",
+            "Shard(dim) or Replicate()",
+        ),
+        _raises(
+            lambda: fs.shard({"s": torch.tensor(1.0)}, m, Shard(0)),
+            ValueError,
+            "'s'",
+            "0-d",
+            "Replicate()",
+        ),
+        _raises(
+            lambda: fs.shard({"w": torch.ones(2, 2)}, m, Shard(2)),
+            ValueError,
+            "'w'",
+            "out of range",
+        ),
         _raises(lambda: fs.shard({"w": torch.ones(2), "lr": 0.1}, m), TypeError, "'lr'", "float"),
-        _raises(lambda: fs.shard(fs.shard({"w": torch.ones(2)}, m), m), ValueError,
-                "'w'", "already a DTensor"),
-        _raises(lambda: fs.shard({"w": torch.ones(2)}, m, (Shard(0), Shard(0))), ValueError,
-                "'w'", "one placement per mesh dim"),
+        _raises(
+            lambda: fs.shard(fs.shard({"w": torch.ones(2)}, m), m),
+            ValueError,
+            "'w'",
+            "already a DTensor",
+        ),
+        _raises(
+            lambda: fs.shard({"w": torch.ones(2)}, m, (Shard(0), Shard(0))),
+            ValueError,
+            "'w'",
+            "one placement per mesh dim",
+        ),
     ]
 
 
@@ -139,8 +170,13 @@ def test_shard_errors(world2):
 
 def mesh_mismatch():
     sub = mesh(2, 2)["shard"]  # 2 ranks of a 4-rank world
-    return _raises(lambda: fs.shard({"w": torch.ones(4)}, sub), ValueError,
-                   "2 ranks", "process group has 4", "init_device_mesh")
+    return _raises(
+        lambda: fs.shard({"w": torch.ones(4)}, sub),
+        ValueError,
+        "2 ranks",
+        "process group has 4",
+        "init_device_mesh",
+    )
 
 
 def test_mesh_must_cover_the_world(world4):
@@ -150,6 +186,11 @@ def test_mesh_must_cover_the_world(world4):
 @pytest.mark.parametrize("world", ["world2", "world4"])
 def test_uneven_and_tiny_dims(request, world):
     w = request.getfixturevalue(world)
-    cases = [((1,), 0, (("S", 0),)), ((3, 5), 0, (("S", 1),)), ((7, 1), 1, (("S", 0),)),
-             ((0, 3), 0, (("S", 0),)), ((), 0, (("R",),))]
+    cases = [
+        ((1,), 0, (("S", 0),)),
+        ((3, 5), 0, (("S", 1),)),
+        ((7, 1), 1, (("S", 0),)),
+        ((0, 3), 0, (("S", 0),)),
+        ((), 0, (("R",),)),
+    ]
     assert w.run(roundtrip, cases, (w.size,)) == [[]] * w.size

@@ -16,8 +16,10 @@ _c10d = torch.ops._c10d_functional
 
 
 def _max_err(grads, ref):
-    return max((g.to_local() - shard_of(ref[k], g)).abs().max().item() if g.to_local().numel() else 0
-               for k, g in grads.items())
+    return max(
+        (g.to_local() - shard_of(ref[k], g)).abs().max().item() if g.to_local().numel() else 0
+        for k, g in grads.items()
+    )
 
 
 def parity(mesh_shape, grad_reduce="mean", placement=None):
@@ -40,14 +42,18 @@ def parity(mesh_shape, grad_reduce="mean", placement=None):
         ref_grads = {k: v * world for k, v in ref_grads.items()}
     mean_loss = loss.clone()
     dist.all_reduce(mean_loss)
-    assert all(isinstance(g, DTensor) and g.placements == sharded[k].placements
-               for k, g in grads.items())
+    assert all(
+        isinstance(g, DTensor) and g.placements == sharded[k].placements for k, g in grads.items()
+    )
     assert set(grads) == set(params)
     return {
         "loss": abs(mean_loss.item() / world - ref_loss.item()),
         "grad": _max_err(grads, ref_grads),
-        "buffers": max((buffers[k] - ref_buffers[rank][k]).abs().max().item()
-                       for k in buffers if buffers[k].is_floating_point()),
+        "buffers": max(
+            (buffers[k] - ref_buffers[rank][k]).abs().max().item()
+            for k in buffers
+            if buffers[k].is_floating_point()
+        ),
     }
 
 
@@ -113,16 +119,21 @@ def mixed_precision(reduce_dtype):
         lm_loss(m(b).float(), b).backward()
         g = {n: p.grad.to(reduce_dtype or torch.bfloat16) / world for n, p in m.named_parameters()}
         ref = g if ref is None else {n: ref[n] + g[n] for n in g}
-    err = max((grads[k].to_local() - shard_of(ref[k].float(), grads[k])).abs().max().item()
-              for k in grads)
+    err = max(
+        (grads[k].to_local() - shard_of(ref[k].float(), grads[k])).abs().max().item() for k in grads
+    )
     return sorted(set(wire.sent)), {g.dtype for g in grads.values()}, err
 
 
 @pytest.mark.parametrize("reduce_dtype", [None, torch.float32])
 def test_mixed_precision_wire_dtypes(world2, reduce_dtype):
     sent, grad_dtypes, err = world2.run(mixed_precision, reduce_dtype)[0]
-    assert sent == sorted({("all_gather_into_tensor", torch.bfloat16),
-                           ("reduce_scatter_tensor", reduce_dtype or torch.bfloat16)})
+    assert sent == sorted(
+        {
+            ("all_gather_into_tensor", torch.bfloat16),
+            ("reduce_scatter_tensor", reduce_dtype or torch.bfloat16),
+        }
+    )
     assert grad_dtypes == {torch.float32}
     assert err < (2e-2 if reduce_dtype is None else 1e-2), err
 
@@ -131,7 +142,9 @@ def tree_structure():
     m = mesh(dist.get_world_size())
     tree = {"a": [torch.randn(3, 2), None], "b": {"c": torch.randn(5)}, "d": None}
     back = fs.unshard(fs.shard(tree, m))
-    return back["a"][1] is None and back["d"] is None and torch.equal(back["b"]["c"], tree["b"]["c"])
+    return (
+        back["a"][1] is None and back["d"] is None and torch.equal(back["b"]["c"], tree["b"]["c"])
+    )
 
 
 def test_none_entries_are_kept(world2):
@@ -155,8 +168,13 @@ def unshard_errors():
         _raises(lambda: fs.unshard(meta), RuntimeError, "layer.w", "meta", "to_empty"),
         _raises(lambda: fs.unshard({**sharded, "lr": 0.1}), TypeError, "'lr'", "float"),
         _raises(lambda: fs.unshard({"w": torch.randn(4, 2)}), TypeError, "'w'", "fs.shard"),
-        _raises(lambda: torch.func.grad(lambda p: fs.unshard(p)["w"].sum())(sharded), TypeError,
-                "is a DTensor", "torch.func", "fs.to_local"),
+        _raises(
+            lambda: torch.func.grad(lambda p: fs.unshard(p)["w"].sum())(sharded),
+            TypeError,
+            "is a DTensor",
+            "torch.func",
+            "fs.to_local",
+        ),
         _raises(lambda: fs.unshard(sharded, grad_reduce="avg"), ValueError, "grad_reduce"),
     ]
 
@@ -173,15 +191,23 @@ def reduce_matches_reference(mesh_shape, op):
     shapes = {"a": (7, 3), "b": (3, 5), "s": (), "t": (1,)}
     placements = {"a": None, "b": Shard(1), "s": None, "t": None}
     like = {k: fs.shard({k: torch.zeros(s)}, m, placements[k])[k] for k, s in shapes.items()}
-    per_rank = [{k: torch.randn(s, generator=torch.Generator().manual_seed(r * 10 + i))
-                 for i, (k, s) in enumerate(shapes.items())} for r in range(world)]
+    per_rank = [
+        {
+            k: torch.randn(s, generator=torch.Generator().manual_seed(r * 10 + i))
+            for i, (k, s) in enumerate(shapes.items())
+        }
+        for r in range(world)
+    ]
     out = fs.reduce(per_rank[rank], like, op=op)
     errs = []
     for k in shapes:
         total = sum(p[k] for p in per_rank) / (world if op == "mean" else 1)
         assert out[k].placements == like[k].placements
-        errs.append((out[k].to_local() - shard_of(total, like[k])).abs().max().item()
-                    if out[k].to_local().numel() else 0.0)
+        errs.append(
+            (out[k].to_local() - shard_of(total, like[k])).abs().max().item()
+            if out[k].to_local().numel()
+            else 0.0
+        )
     return max(errs)
 
 
@@ -198,14 +224,32 @@ def reduce_errors():
     m = mesh(dist.get_world_size())
     like = fs.shard({"w": torch.zeros(4, 2), "b": torch.zeros(2)}, m)
     return [
-        _raises(lambda: fs.reduce({"w": torch.ones(4, 2)}, like), ValueError,
-                "missing from full_grads", "'b'"),
-        _raises(lambda: fs.reduce({"w": torch.ones(4, 2), "b": torch.ones(2), "x": torch.ones(1)},
-                                  like), ValueError, "not in like", "'x'"),
-        _raises(lambda: fs.reduce({"w": torch.ones(2, 4), "b": torch.ones(2)}, like), ValueError,
-                "'w'", "[2, 4]", "[4, 2]"),
-        _raises(lambda: fs.reduce({"w": torch.ones(4, 2), "b": torch.ones(2)}, like, op="max"),
-                ValueError, "op"),
+        _raises(
+            lambda: fs.reduce({"w": torch.ones(4, 2)}, like),
+            ValueError,
+            "missing from full_grads",
+            "'b'",
+        ),
+        _raises(
+            lambda: fs.reduce(
+                {"w": torch.ones(4, 2), "b": torch.ones(2), "x": torch.ones(1)}, like
+            ),
+            ValueError,
+            "not in like",
+            "'x'",
+        ),
+        _raises(
+            lambda: fs.reduce({"w": torch.ones(2, 4), "b": torch.ones(2)}, like),
+            ValueError,
+            "'w'",
+            "[2, 4]",
+            "[4, 2]",
+        ),
+        _raises(
+            lambda: fs.reduce({"w": torch.ones(4, 2), "b": torch.ones(2)}, like, op="max"),
+            ValueError,
+            "op",
+        ),
     ]
 
 

@@ -45,8 +45,9 @@ def reduce(
     for path, full, leaf in zip(paths, fulls, like_leaves, strict=True):
         local, shard_spec = as_local(path, leaf, "reduce")
         if not isinstance(full, torch.Tensor):
-            raise TypeError(f"reduce: full_grads at {path!r} is a {type(full).__name__}, not a "
-                            "tensor.")
+            raise TypeError(
+                f"reduce: full_grads at {path!r} is a {type(full).__name__}, not a tensor."
+            )
         lead = len(shard_spec.shape) - full.dim()
         if lead < 0 or tuple(full.shape) != shard_spec.shape[lead:]:
             raise ValueError(
@@ -62,6 +63,12 @@ def reduce(
 
 def _like(out: torch.Tensor, leaf):
     if isinstance(leaf, DTensor):
-        return DTensor.from_local(out, leaf.device_mesh, leaf.placements, run_check=False,
-                                  shape=leaf.shape, stride=leaf.stride())
+        return DTensor.from_local(
+            out,
+            leaf.device_mesh,
+            leaf.placements,
+            run_check=False,
+            shape=leaf.shape,
+            stride=leaf.stride(),
+        )
     return LocalShard(out, leaf.spec)

@@ -71,8 +71,9 @@ def shard(
         stride = torch.empty(x.shape, device="meta").stride()
         spec = ShardSpec(mesh, pl, tuple(x.shape), tuple(stride))
         local = x.detach()
-        for d, (offset, size) in enumerate(zip(spec.local_offset(), spec.level_shapes()[-1],
-                                               strict=True)):
+        for d, (offset, size) in enumerate(
+            zip(spec.local_offset(), spec.level_shapes()[-1], strict=True)
+        ):
             if size != x.shape[d]:
                 local = local.narrow(d, offset, size)
         local = local.clone(memory_format=torch.contiguous_format)
