@@ -4,7 +4,7 @@ from . import policy
 from ._autodiff import grad, value_and_grad
 from ._extract import extract, functional_call
 from ._grouping import group
-from ._spec import LocalShard, ShardSpec, from_local, to_local
+from ._spec import LocalShard, ShardSpec, from_local, to_local, tree_map
 from .transforms import reduce, shard, unshard
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "reduce",
     "shard",
     "to_local",
+    "tree_map",
     "unshard",
     "value_and_grad",
 ]

@@ -69,8 +69,13 @@ class Comm:
 
 
 def wait(t: torch.Tensor) -> torch.Tensor:
-    """Wait for a pending collective output; a no-op on any other tensor."""
-    return _ops.wait_tensor(t)
+    """Wait for a pending collective output; a no-op on any other tensor. Returns ``t``.
+
+    Waits on a detached alias: the work is found by storage, and ``wait_tensor``'s own
+    (old-style) autograd must not enter our graphs. Never call it on functorch-wrapped tensors.
+    """
+    _ops.wait_tensor(t.detach())
+    return t
 
 
 def async_allowed() -> bool:

@@ -95,6 +95,7 @@ class _Level:
     shapes: list[tuple[int, ...]]  # padded chunk shapes
     dims: list[int]
     sizes: list[int]  # sizes along dims after the gather
+    pending: bool  # issued asynchronously (plain autograd): wait before reading
 
 
 @dataclasses.dataclass
@@ -185,11 +186,11 @@ def _start_level(xs, layouts, mesh_dim: int, comm: C.Comm, flat_dtype, broadcast
     for b in broadcasts:
         flat = C.Broadcast.apply(flat, b)
     buffer = C.AllGather.apply(flat, comm)
-    return _Level(buffer, comm.world, [tuple(p.shape) for p in padded], dims, sizes)
+    return _Level(buffer, comm.world, [tuple(p.shape) for p in padded], dims, sizes, comm.async_op)
 
 
 def _finish_level(level: _Level) -> list[torch.Tensor]:
-    rows = C.wait(level.buffer).view(level.world, -1)
+    rows = (C.wait(level.buffer) if level.pending else level.buffer).view(level.world, -1)
     out = []
     for r, shape, d, n in zip(
         rows.split([math.prod(s) for s in level.shapes], dim=1),
@@ -282,7 +283,7 @@ def scatter(
             if j == len(sharded) - 1:
                 flat = _all_reduce(flat, lays[0], replicated, opts)
             shapes = [
-                (*x.shape[:d], c, *x.shape[d + 1:])
+                (*x.shape[:d], c, *x.shape[d + 1 :])
                 for x, d, c in zip(xs, dims, chunks, strict=True)
             ]
             sizes = [lay.levels[m + 1][d] for lay, d in zip(lays, dims, strict=True)]
@@ -299,4 +300,4 @@ def scatter(
 def _all_reduce(flat, layout: Layout, mesh_dims, opts: Options) -> torch.Tensor:
     for m in mesh_dims:
         flat = C.AllReduce.apply(flat, _comm(layout, m, opts, flat.dtype, False))
-    return C.wait(flat)
+    return flat

@@ -230,3 +230,22 @@ def as_local(path: str, leaf, fn: str) -> tuple[torch.Tensor, ShardSpec]:
         f"{fn}: {path!r} is a plain torch.Tensor of shape {list(leaf.shape)}, not a shard. "
         "Shard the tree first with fs.shard(params, mesh)."
     )
+
+
+def tree_map(fn, tree: PyTree, *rest: PyTree) -> PyTree:
+    """``fn`` over corresponding tensors of trees of the same structure, looking inside
+    :class:`LocalShard` leaves (the result keeps the first tree's spec).
+
+    For arithmetic on sharded trees inside ``torch.func`` transforms, e.g. an inner SGD step
+    ``fs.tree_map(lambda p, g: p - lr * g, params, grads)``. ``None`` entries stay ``None``.
+    """
+    import optree
+
+    def apply(x, *ys):
+        if isinstance(x, LocalShard):
+            return LocalShard(
+                fn(x.tensor, *(y.tensor if isinstance(y, LocalShard) else y for y in ys)), x.spec
+            )
+        return fn(x, *ys)
+
+    return optree.tree_map(apply, tree, *rest, none_is_leaf=False)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from _comm import Collectives
 from _models import lm_loss, make, reference_step, shard_of, tokens
 from _world import mesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import funcshard as fs
 
@@ -83,20 +83,6 @@ def test_gradient_parity_shard_dim_1(world2):
     _check(world2.run(parity, (2,), "mean", _dim1))
 
 
-class WireDtypes(TorchDispatchMode):
-    """Records (collective, dtype sent) for every c10d functional collective."""
-
-    def __init__(self):
-        super().__init__()
-        self.sent = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if func.namespace == "_c10d_functional" and name != "wait_tensor":
-            self.sent.append((name, args[0].dtype))
-        return func(*args, **(kwargs or {}))
-
-
 def mixed_precision(reduce_dtype):
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make(batchnorm=False)
@@ -109,7 +95,7 @@ def mixed_precision(reduce_dtype):
         assert all(v.dtype == torch.bfloat16 for v in full.values())
         return lm_loss(fs.functional_call(model, full, (batch,)).float(), batch)
 
-    with WireDtypes() as wire:
+    with Collectives() as wire:
         _, grads = fs.value_and_grad(loss_fn)(sharded)
     # reference: each rank's bf16 gradients, averaged in the reduce dtype
     ref = None
@@ -122,7 +108,7 @@ def mixed_precision(reduce_dtype):
     err = max(
         (grads[k].to_local() - shard_of(ref[k].float(), grads[k])).abs().max().item() for k in grads
     )
-    return sorted(set(wire.sent)), {g.dtype for g in grads.values()}, err
+    return sorted({(n, d) for n, d, _ in wire.sent}), {g.dtype for g in grads.values()}, err
 
 
 @pytest.mark.parametrize("reduce_dtype", [None, torch.float32])
