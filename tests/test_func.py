@@ -119,7 +119,7 @@ def test_vjp(world2):
 
 def jvp_params():
     """A sharded tangent gives the directional derivative along the full tangent."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     model = mlp()
     sharded, _ = _setup(model)
     full = dict(mlp().named_parameters())
