@@ -4,19 +4,26 @@ from . import policy
 from ._autodiff import grad, value_and_grad
 from ._extract import extract, functional_call
 from ._grouping import group
+from ._plan import Group, Plan, Step, plan
+from ._schedule import schedule
 from ._spec import LocalShard, ShardSpec, from_local, to_local, tree_map
 from .transforms import reduce, shard, unshard
 
 __all__ = [
+    "Group",
     "LocalShard",
+    "Plan",
     "ShardSpec",
+    "Step",
     "extract",
     "from_local",
     "functional_call",
     "grad",
     "group",
+    "plan",
     "policy",
     "reduce",
+    "schedule",
     "shard",
     "to_local",
     "tree_map",

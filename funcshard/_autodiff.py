@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
+from . import _sink
 from ._spec import LocalShard
 from ._tree import flatten, unflatten
 
 
 def value_and_grad(
-    fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False
+    fn: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    *,
+    sync_grads: bool = True,
 ) -> Callable[..., tuple[Any, Any]]:
     """``fn(sharded, *args) -> scalar`` becomes ``f(sharded, *args) -> (value, grads)``.
 
@@ -27,6 +34,10 @@ def value_and_grad(
         fn: returns a scalar tensor, or ``(scalar, aux)`` with ``has_aux=True``.
         argnums: which positional arguments to differentiate (an int or a sequence of ints).
         has_aux: return ``((value, aux), grads)``.
+        sync_grads: ``False`` skips gradient communication: the gradients of sharded leaves
+            are this rank's *unreduced full* gradients (plain tensors of the global shape, in
+            the shard's dtype), to accumulate over micro-batches and reduce once with
+            :func:`~funcshard.reduce`. See [Note: gradient accumulation without communication].
 
     Raises:
         TypeError: the value is not a scalar tensor, or a differentiated leaf is not a tensor.
@@ -36,36 +47,31 @@ def value_and_grad(
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         args = list(args)
-        rebuild, inputs = [], []
+        rebuild, inputs, inputs_leaves = [], [], []
         for n in nums:
             paths, leaves, spec = flatten(args[n])
             fresh = [_fresh_leaf(p, x) for p, x in zip(paths, leaves, strict=True)]
             args[n] = unflatten(spec, fresh)
-            rebuild.append((spec, fresh, len(inputs)))
+            rebuild.append((spec, len(fresh), len(inputs)))
             inputs.extend(_tensor(x) for x in fresh)
-        with torch.enable_grad():
+            inputs_leaves.extend(fresh)
+        collect = _sink.collecting() if not sync_grads else nullcontext()
+        with torch.enable_grad(), collect as sink:
             out = fn(*args, **kwargs)
-        value, aux = out if has_aux else (out, None)
-        if not (isinstance(value, torch.Tensor) and value.numel() == 1):
-            got = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise TypeError(
-                f"value_and_grad: {getattr(fn, '__name__', 'fn')} must return a scalar tensor"
-                f"{' (as the first element of (value, aux))' if has_aux else ''}, got {got}."
-            )
-        grads = torch.autograd.grad(value, inputs, allow_unused=True) if inputs else ()
-        grads = [
-            torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs, strict=True)
-        ]
-        trees = [
-            unflatten(
-                spec,
-                [
-                    _like(g, x)
-                    for g, x in zip(grads[start : start + len(fresh)], fresh, strict=True)
-                ],
-            )
-            for spec, fresh, start in rebuild
-        ]
+            value, aux = out if has_aux else (out, None)
+            _check_value(fn, value, has_aux)
+            grads = torch.autograd.grad(value, inputs, allow_unused=True) if inputs else ()
+        if sink is None:
+            grads = [
+                _like(torch.zeros_like(t) if g is None else g, x)
+                for g, t, x in zip(grads, inputs, inputs_leaves, strict=True)
+            ]
+        else:
+            grads = [
+                _unreduced(sink, x, g, t)
+                for g, t, x in zip(grads, inputs, inputs_leaves, strict=True)
+            ]
+        trees = [unflatten(spec, grads[start : start + n]) for spec, n, start in rebuild]
         result = trees[0] if isinstance(argnums, int) else tuple(trees)
         value = value.detach()
         return ((value, aux) if has_aux else value), result
@@ -74,10 +80,14 @@ def value_and_grad(
 
 
 def grad(
-    fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False
+    fn: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    *,
+    sync_grads: bool = True,
 ) -> Callable[..., Any]:
     """Like :func:`value_and_grad` but returns only the gradients (``(grads, aux)`` with aux)."""
-    vg = value_and_grad(fn, argnums, has_aux)
+    vg = value_and_grad(fn, argnums, has_aux, sync_grads=sync_grads)
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
@@ -85,6 +95,27 @@ def grad(
         return (grads, value_aux[1]) if has_aux else grads
 
     return wrapped
+
+
+def _check_value(fn, value, has_aux: bool) -> None:
+    if not (isinstance(value, torch.Tensor) and value.numel() == 1):
+        got = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise TypeError(
+            f"value_and_grad: {getattr(fn, '__name__', 'fn')} must return a scalar tensor"
+            f"{' (as the first element of (value, aux))' if has_aux else ''}, got {got}."
+        )
+
+
+def _unreduced(sink: _sink.GradSink, leaf, grad, tensor: torch.Tensor) -> torch.Tensor:
+    """A leaf's gradient without sync: for shards, the unreduced full gradient from the sink."""
+    if isinstance(leaf, LocalShard):
+        shape = leaf.spec.shape
+    elif isinstance(leaf, DTensor):
+        shape = leaf.shape
+    else:
+        return torch.zeros_like(tensor) if grad is None else grad
+    full = sink.get(leaf)
+    return full if full is not None else tensor.new_zeros(shape)
 
 
 def _fresh_leaf(path: str, x):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import _flat
+from .. import _flat, _sink
+from .._collectives import async_allowed
 from .._spec import as_local
 from .._tree import PyTree, flatten, unflatten
 
@@ -58,7 +59,13 @@ def unshard(
             "re-initialize (e.g. reset_parameters()) before fs.extract / fs.shard."
         )
     opts = _flat.Options("unshard", param_dtype, reduce_dtype, mean=reduce_mean(grad_reduce))
-    return unflatten(spec, _flat.gather(locals_, layouts, opts) if locals_ else [])
+    fulls = _flat.gather(locals_, layouts, opts) if locals_ else []
+    sink = _sink.current()
+    if sink is not None and fulls and torch.is_grad_enabled() and async_allowed():
+        # value_and_grad(sync_grads=False): see [Note: gradient accumulation without ...]
+        route = _sink.to_sink(sink, leaves, [t.dtype for t in locals_])
+        fulls = _sink.Notify.apply(route, *fulls)
+    return unflatten(spec, fulls)
 
 
 def reduce_mean(op: str, name: str = "grad_reduce") -> bool:

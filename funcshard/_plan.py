@@ -1,0 +1,294 @@
+"""The schedule, as data: which group is gathered, waited for, computed and freed when.
+
+This file is the whole schedule. :func:`plan` picks the groups and the forward order;
+``_forward_steps`` and ``_backward_steps`` turn them into the exact list of steps of a training
+step; ``_schedule.py`` only *follows* that list.
+
+[Note: the order is written down, not discovered]
+FSDP2 prefetches backward "naively using the reverse post-forward order, which may have
+mistargeted prefetches" (seed ``001``). Here the forward order is explicit: given, recorded once
+from a dry run on meta tensors, or the depth-first module order. It is a list of *runs*: a group
+may appear several times (a root whose embedding is used first and its head last, a parent
+whose layers run between its children's). A group is freed after its last run.
+
+[Note: the root group]
+As FSDP2, the root group (named ``""``) is not resharded after forward: it stays unsharded from
+the start of forward to the end of backward, so it is gathered once per step even when used
+both first and last (a tied embedding/head). ``Plan.groups`` holds a per-group flag; edit it with
+:meth:`Plan.replace` if you want otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from torch import nn
+
+from ._grouping import Policy, group
+
+OPS = ("all_gather", "wait", "forward", "free", "backward", "reduce_scatter")
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One step of a training step: ``op`` (one of ``OPS``) applied to group ``group``."""
+
+    op: str
+    group: str
+
+    def __str__(self) -> str:
+        return f"{self.op:<15}{self.group or '<root>'}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """A parameter group: its name (the module fqn, ``""`` for the root) and parameters."""
+
+    name: str
+    params: tuple[str, ...]
+    reshard_after_forward: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """An explicit, editable schedule. Compare with ``==``, print it, save it as JSON.
+
+    ``order`` is the forward order of group *runs* (names may repeat); ``backward_order`` is the
+    backward order (default: ``order`` reversed). ``forward`` and ``backward`` are the steps,
+    derived from the other fields: change those with :meth:`replace` to get a new plan.
+    """
+
+    groups: tuple[Group, ...]
+    order: tuple[str, ...]
+    backward_order: tuple[str, ...] | None = None
+    prefetch: int = 1
+    backward_prefetch: int = 1
+    forward: tuple[Step, ...] = dataclasses.field(init=False)
+    backward: tuple[Step, ...] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)
+        set_("groups", tuple(self.groups))
+        set_("order", tuple(self.order))
+        set_("backward_order", tuple(self.backward_order or reversed(self.order)))
+        _validate(self)
+        reshard = {g.name: g.reshard_after_forward for g in self.groups}
+        forward = _steps(
+            self.order, self.prefetch, (), "forward", lambda g: ("free",) if reshard[g] else ()
+        )
+        # a group is unsharded at the start of backward if it was never freed in forward
+        kept = set(reshard) - {s.group for s in forward if s.op == "free"}
+        backward = _steps(
+            self.backward_order,
+            self.backward_prefetch,
+            kept,
+            "backward",
+            lambda g: ("reduce_scatter", "free"),
+        )
+        set_("forward", tuple(forward))
+        set_("backward", tuple(backward))
+
+    def replace(self, **changes: Any) -> Plan:
+        """A new plan with some fields changed (``order``, ``prefetch``, ``groups``, ...)."""
+        if "order" in changes and "backward_order" not in changes:
+            changes["backward_order"] = None
+        return dataclasses.replace(self, **changes)
+
+    def group_of(self) -> dict[str, str]:
+        """``{parameter fqn: group name}``."""
+        return {p: g.name for g in self.groups for p in g.params}
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "groups": [dataclasses.asdict(g) for g in self.groups],
+                "order": list(self.order),
+                "backward_order": list(self.backward_order),
+                "prefetch": self.prefetch,
+                "backward_prefetch": self.backward_prefetch,
+                "forward": [[s.op, s.group] for s in self.forward],
+                "backward": [[s.op, s.group] for s in self.backward],
+            },
+            indent=1,
+        )
+
+    @staticmethod
+    def from_json(text: str) -> Plan:
+        """The plan saved by :meth:`to_json`.
+
+        Raises:
+            ValueError: the saved steps are not the ones its fields produce (steps are derived:
+                edit ``order`` / ``prefetch`` / ``groups`` instead).
+        """
+        d = json.loads(text)
+        plan = Plan(
+            groups=tuple(
+                Group(g["name"], tuple(g["params"]), g["reshard_after_forward"])
+                for g in d["groups"]
+            ),
+            order=tuple(d["order"]),
+            backward_order=tuple(d["backward_order"]),
+            prefetch=d["prefetch"],
+            backward_prefetch=d["backward_prefetch"],
+        )
+        for name in ("forward", "backward"):
+            if name in d and [[s.op, s.group] for s in getattr(plan, name)] != d[name]:
+                raise ValueError(
+                    f"Plan.from_json: the saved {name} steps differ from those its order, "
+                    "prefetch and groups produce. Steps are derived: edit those fields instead."
+                )
+        return plan
+
+    def __str__(self) -> str:
+        lines = [
+            f"Plan: {len(self.groups)} groups, prefetch={self.prefetch}, "
+            f"backward_prefetch={self.backward_prefetch}",
+            "groups:",
+        ]
+        width = max((len(g.name or "<root>") for g in self.groups), default=6)
+        for g in self.groups:
+            keep = "" if g.reshard_after_forward else "  (kept unsharded after forward)"
+            lines.append(f"  {g.name or '<root>':<{width}}  {len(g.params)} params{keep}")
+        lines.append("order: " + " -> ".join(n or "<root>" for n in self.order))
+        for title, steps in (("forward", self.forward), ("backward", self.backward)):
+            lines.append(f"{title}:")
+            lines.extend(f"  {i:3d}  {s}" for i, s in enumerate(steps))
+        return "\n".join(lines)
+
+
+def plan(
+    module: nn.Module,
+    policy: Policy | None = None,
+    *,
+    prefetch: int = 1,
+    backward_prefetch: int = 1,
+    reshard_after_forward: bool = True,
+    order: Sequence[str] | None = None,
+    backward_order: Sequence[str] | None = None,
+    example_args: Any = None,
+    example_kwargs: dict[str, Any] | None = None,
+    ignored: Iterable[Any] = (),
+) -> Plan:
+    """The plan for ``module``: groups from :func:`~funcshard.group`, and their order.
+
+    Args:
+        module: the root module (its parameters may already be on meta).
+        policy: grouping policy (``None``: one group, the root).
+        prefetch: forward all-gathers in flight ahead of the group computing (``0``: none).
+        backward_prefetch: the same for the re-gathers in backward.
+        reshard_after_forward: free each group's unsharded parameters after its last forward use
+            and gather them again for backward (the root group excepted, see [Note: the root
+            group]); ``False`` keeps them until the group's backward ends.
+        order: the forward order of group names (repeats allowed). Default: recorded from
+            ``example_args`` if given, else the depth-first module order (a group containing
+            other groups runs again after them).
+        backward_order: default ``order`` reversed.
+        example_args / example_kwargs: inputs for a dry run on the meta device that records the
+            order in which groups are used; no compute, no communication.
+        ignored: parameters/modules left out of every group (see :func:`~funcshard.group`).
+
+    Groups without parameters are dropped.
+
+    Raises:
+        ValueError: ``order`` names an unknown group; negative prefetch.
+        RuntimeError: the dry run failed on meta tensors (pass ``order`` instead).
+    """
+    groups = [
+        Group(name, tuple(params), reshard_after_forward and name != "")
+        for name, params in group(module, policy, ignored).items()
+        if params
+    ]
+    if order is None:
+        if example_args is not None or example_kwargs is not None:
+            from ._record import record_order
+
+            order = record_order(module, groups, example_args, example_kwargs)
+        else:
+            order = _depth_first_order(module, [g.name for g in groups])
+    return Plan(tuple(groups), tuple(order), backward_order, prefetch, backward_prefetch)
+
+
+def _depth_first_order(module: nn.Module, names: Sequence[str]) -> list[str]:
+    """Groups in ``named_modules()`` order; a group runs again after the groups inside it."""
+    wanted, runs, open_ = set(names), [], []
+    for fqn, _ in module.named_modules():
+        if fqn not in wanted:
+            continue
+        while open_ and not _contains(open_[-1], fqn):
+            _close(open_.pop(), runs)
+        runs.append(fqn)
+        open_.append(fqn)
+    while open_:
+        _close(open_.pop(), runs)
+    return runs
+
+
+def _contains(outer: str, inner: str) -> bool:
+    return outer == "" or inner.startswith(outer + ".")
+
+
+def _close(name: str, runs: list[str]) -> None:
+    if runs[-1] != name:
+        runs.append(name)
+
+
+def _upcoming(order, i, count, skip) -> list[str]:
+    """The next ``count`` distinct groups after run ``i`` that are not in ``skip``."""
+    out: list[str] = []
+    for g in order[i + 1 :]:
+        if len(out) == count:
+            break
+        if g not in skip and g not in out:
+            out.append(g)
+    return out
+
+
+def _steps(order, prefetch, resident, compute, after_last) -> list[Step]:
+    """Walk the runs of ``order``: gather a group before its run (``prefetch`` groups ahead),
+    ``compute`` it, and after its last run append ``after_last(group)`` steps.
+
+    ``resident`` groups start unsharded. See [Note: the order is written down, not discovered].
+    """
+    steps, resident, pending = [], set(resident), set()
+    last = {g: i for i, g in enumerate(order)}
+    for i, g in enumerate(order):
+        if g not in resident | pending:
+            steps.append(Step("all_gather", g))
+            pending.add(g)
+        if g in pending:
+            steps.append(Step("wait", g))
+            pending.remove(g)
+            resident.add(g)
+        for h in _upcoming(order, i, prefetch, resident | pending):
+            steps.append(Step("all_gather", h))
+            pending.add(h)
+        steps.append(Step(compute, g))
+        if i == last[g]:
+            for op in after_last(g):
+                steps.append(Step(op, g))
+            if "free" in after_last(g):
+                resident.remove(g)
+    return steps
+
+
+def _validate(p: Plan) -> None:
+    names = [g.name for g in p.groups]
+    if len(set(names)) != len(names):
+        raise ValueError(f"Plan: duplicate group names in {names}.")
+    params = [x for g in p.groups for x in g.params]
+    if len(set(params)) != len(params):
+        dup = sorted({x for x in params if params.count(x) > 1})
+        raise ValueError(f"Plan: parameters {dup} are in more than one group.")
+    for field in ("order", "backward_order"):
+        unknown = sorted(set(getattr(p, field)) - set(names))
+        if unknown:
+            raise ValueError(
+                f"Plan: {field} names {unknown}, which are not groups; groups are {names}."
+            )
+    for field in ("prefetch", "backward_prefetch"):
+        value = getattr(p, field)
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"Plan: {field} must be an int >= 0, got {value!r}.")

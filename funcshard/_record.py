@@ -1,0 +1,48 @@
+"""Record the order in which a module uses its parameter groups, from a dry run on meta."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+from torch import nn
+
+from ._deferred import Deferred
+from ._extract import functional_call
+
+
+def record_order(module: nn.Module, groups, example_args: Any, example_kwargs) -> list[str]:
+    """Run ``module`` once on meta copies of the example inputs, with :class:`Deferred`
+    parameters that log their group when used; return the runs (consecutive uses merged).
+
+    No real compute and no communication happen. Groups never used do not appear.
+
+    Raises:
+        RuntimeError: the forward cannot run on meta tensors (data-dependent code, .item(),
+            ...); pass ``order=`` to :func:`~funcshard.plan` instead.
+    """
+    group_of = {p: g.name for g in groups for p in g.params}
+    shapes = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    runs: list[str] = []
+
+    def resolve(fqn: str) -> torch.Tensor:
+        if not runs or runs[-1] != group_of[fqn]:
+            runs.append(group_of[fqn])
+        t = shapes[fqn]
+        return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+    params = {p: Deferred(p, shapes[p].shape, shapes[p].dtype, "meta", resolve) for p in group_of}
+    buffers = {k: torch.empty_like(b, device="meta") for k, b in module.named_buffers()}
+    to_meta = lambda x: torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x
+    args = example_args if isinstance(example_args, tuple) else (example_args,)
+    args, kwargs = optree.tree_map(to_meta, (args, example_kwargs or {}), none_is_leaf=True)
+    try:
+        with torch.no_grad():
+            functional_call(module, (params, buffers), args, kwargs)
+    except Exception as e:
+        raise RuntimeError(
+            f"plan: the dry run of {type(module).__name__} on meta tensors failed ({e!r}). Pass "
+            "the forward order of the groups explicitly with plan(..., order=[...])."
+        ) from e
+    return runs

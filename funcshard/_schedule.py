@@ -1,0 +1,369 @@
+"""``schedule``: run a module on sharded parameters, one group at a time, following a Plan.
+
+The plan (``_plan.py``) says what happens; this file only follows it. Per call, a ``_Run``
+keeps the state of each group (sharded, gather in flight, unsharded, freed) and two cursors,
+one over the plan's forward steps and one over its backward steps:
+
+* forward: the module gets :class:`~funcshard._deferred.Deferred` parameters; the first use of
+  a parameter of the next planned group moves the forward cursor there, executing the steps on
+  the way (gather, wait, prefetch, free);
+* backward (plain autograd only): autograd's saved-tensor hooks tell which group's saved
+  parameter is being unpacked; that moves the backward cursor (re-gather, wait, prefetch); a
+  ``Notify`` node on each group's full tensors runs when the group's gradients are complete,
+  and frees the group; the reduce-scatter itself is the gather's own backward.
+
+[Note: reshard after forward without saved-tensor tricks inside torch.func]
+Freeing a group after its forward means emptying the *storage* of its full tensors (which
+autograd keeps for backward) and refilling it before they are read again, as FSDP2 does.
+The refill is triggered by ``torch.autograd.graph.saved_tensors_hooks`` on unpack, exactly when
+the data is needed. ``torch.func`` transforms refuse saved-tensor hooks (pytorch #122729), so
+under them nothing is freed: groups are still gathered one by one in the planned order, but
+stay unsharded until the transformed call returns (the memory of ``reshard_after_forward=False``
+for the whole step). Gradients are correct either way.
+
+[Note: out-of-plan use]
+A group used when the plan does not expect it is never wrong: if its tensors are unsharded it
+is simply used; otherwise it is gathered on demand (synchronously) with a ``UserWarning`` naming
+the expected and the actual group. Runs the model skips are stepped over (their gathers still
+happen, so every rank issues the same collectives).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.profiler import record_function
+from torch.distributed.tensor import DTensor
+
+from . import _flat, _sink
+from ._collectives import async_allowed
+from ._deferred import Deferred
+from ._extract import functional_call
+from ._plan import Plan, Step
+from ._spec import LocalShard, as_local
+from .transforms._unshard import reduce_mean
+
+
+def schedule(
+    module: nn.Module,
+    plan: Plan,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    grad_reduce: str = "mean",
+) -> Callable[..., Any]:
+    """``apply(sharded, *args, buffers=None, **kwargs)`` running ``module`` as ``plan`` says.
+
+    ``apply`` equals ``functional_call(module, (unshard(sharded), buffers), args, kwargs)`` in
+    value and gradient, with FSDP2's memory behaviour: one group unsharded at a time plus
+    ``plan.prefetch`` gathers in flight, groups freed after forward and gathered again in
+    backward, each group's gradients reduce-scattered as soon as its backward ends.
+
+    Args:
+        module: the module the plan was made for (its own parameters are not used; it may be
+            on the meta device).
+        plan: from :func:`~funcshard.plan`.
+        param_dtype, reduce_dtype, grad_reduce: as in :func:`~funcshard.unshard`.
+
+    ``sharded`` is the flat ``{fqn: DTensor}`` dict from :func:`~funcshard.shard` (LocalShards
+    inside ``torch.func``); entries for parameters outside the plan's groups (ignored ones) must
+    be plain tensors and are passed through unchanged.
+
+    Raises:
+        ValueError: a planned parameter is missing from ``sharded``, or a sharded one is in no
+            group.
+        TypeError: ``sharded`` is not a mapping, or a planned entry is not a shard.
+    """
+    mean = reduce_mean(grad_reduce)
+    group_of = plan.group_of()
+
+    def apply(sharded: Mapping[str, Any], *args: Any, buffers=None, **kwargs: Any) -> Any:
+        params = _check_tree(sharded, group_of)
+        run = _Run(plan, sharded, _flat.Options("", param_dtype, reduce_dtype, mean))
+        deferred = {fqn: Deferred(fqn, *run.metadata(fqn), run.resolve) for fqn in group_of}
+        with run.saved_tensor_hooks():
+            out = functional_call(module, ({**params, **deferred}, buffers or {}), args, kwargs)
+        run.end_forward()
+        return out
+
+    return apply
+
+
+def _check_tree(sharded, group_of) -> dict[str, Any]:
+    """The entries passed through unchanged (those outside the plan's groups)."""
+    if not isinstance(sharded, Mapping):
+        raise TypeError(
+            f"schedule: apply takes the flat {{fqn: DTensor}} dict of fs.shard(fs.extract(module)"
+            f"[0], mesh), got {type(sharded).__name__}."
+        )
+    missing = [p for p in group_of if p not in sharded]
+    if missing:
+        raise ValueError(
+            f"schedule: parameters {missing} of the plan are missing from the sharded tree; pass "
+            "the dict from fs.shard(fs.extract(module)[0], mesh) for the module of the plan."
+        )
+    extra = {k: v for k, v in sharded.items() if k not in group_of}
+    stray = [k for k, v in extra.items() if isinstance(v, DTensor | LocalShard)]
+    if stray:
+        raise ValueError(
+            f"schedule: {stray} are sharded but in no group of the plan; make the plan from the "
+            "same module (fs.plan), or pass ignored parameters as plain tensors."
+        )
+    return extra
+
+
+class _Saved:
+    """What the pack hook keeps for a saved tensor that belongs to a group's full parameters."""
+
+    __slots__ = ("group", "tensor")
+
+    def __init__(self, group: str, tensor: torch.Tensor) -> None:
+        self.group, self.tensor = group, tensor
+
+
+class _Group:
+    """One group's state in one call: sharded -> in flight -> unsharded -> freed -> ..."""
+
+    def __init__(self, name, leaves, locals_, layouts, opts: _flat.Options) -> None:
+        self.name, self.leaves, self.locals, self.layouts = name, leaves, locals_, layouts
+        self.opts = opts
+        self.inflight: _flat.Inflight | None = None
+        self.raw: list[torch.Tensor] | None = None  # gathered tensors (storage owners)
+        self.fulls: list[torch.Tensor] | None = None  # what the module computes with
+        self.storages: list[tuple[torch.UntypedStorage, int]] = []
+        self.resident = False
+
+    @property
+    def pending(self) -> bool:
+        return self.inflight is not None
+
+    def issue(self) -> None:
+        if self.resident or self.pending:
+            return
+        if self.raw is None:  # first gather: recorded by autograd
+            self.inflight = _flat.issue(self.locals, self.layouts, self.opts)
+        else:  # a re-gather only refills storage: not part of the graph
+            with torch.no_grad():
+                self.inflight = _flat.issue(self.locals, self.layouts, self.opts)
+
+    def wait(self, notify: Callable | None) -> None:
+        """Make the full tensors usable (``notify``: the first gather's post-backward)."""
+        if self.resident:
+            return
+        self.issue()
+        inflight, self.inflight = self.inflight, None
+        with record_function(f"funcshard::wait ({self.name})"):
+            if self.raw is None:
+                self.raw = _flat.finish(inflight)
+                self.fulls = list(_sink.Notify.apply(notify, *self.raw)) if notify else self.raw
+                seen = {}
+                for t in self.raw:
+                    s = t.untyped_storage()
+                    seen.setdefault(s.data_ptr(), (s, s.nbytes()))
+                self.storages = list(seen.values())
+            else:
+                with torch.no_grad():
+                    fresh = _flat.finish(inflight)
+                    for s, nbytes in self.storages:
+                        s.resize_(nbytes)
+                    for old, new in zip(self.raw, fresh, strict=True):
+                        with torch.autograd._unsafe_preserve_version_counter(old):
+                            old.detach().copy_(new)
+        self.resident = True
+
+    def free(self) -> None:
+        if self.pending:  # a prefetch that was never needed
+            with torch.no_grad():
+                _flat.finish(self.inflight)
+            self.inflight = None
+        if self.resident:
+            with record_function(f"funcshard::free ({self.name})"):
+                for s, _ in self.storages:
+                    s.resize_(0)
+            self.resident = False
+
+    def pointers(self) -> list[int]:
+        return [s.data_ptr() for s, _ in self.storages if s.data_ptr()]
+
+
+class _Cursor:
+    """A position in a plan's forward or backward steps."""
+
+    def __init__(self, runs: tuple[str, ...], steps: tuple[Step, ...], compute: str) -> None:
+        self.runs, self.steps, self.compute = runs, steps, compute
+        self.at = [i for i, s in enumerate(steps) if s.op == compute]  # step index of each run
+        self.run, self.pc = -1, 0
+
+    def current(self) -> str | None:
+        return self.runs[self.run] if self.run >= 0 else None
+
+    def find(self, group: str) -> int | None:
+        return next((j for j in range(self.run + 1, len(self.runs)) if self.runs[j] == group), None)
+
+    def advance(self, j: int) -> list[Step]:
+        """Move to run ``j``; return the steps on the way (not the run's compute step)."""
+        todo = self.steps[self.pc : self.at[j]]
+        self.run, self.pc = j, self.at[j] + 1
+        return list(todo)
+
+    def rest(self) -> list[Step]:
+        todo, self.pc = self.steps[self.pc :], len(self.steps)
+        return list(todo)
+
+
+class _Run:
+    """The state of one ``apply`` call and of its backward."""
+
+    def __init__(self, plan: Plan, sharded: Mapping[str, Any], opts: _flat.Options) -> None:
+        self.plan = plan
+        self.sink = _sink.current()
+        # Frees need a way to refill storage before backward reads it: saved-tensor hooks,
+        # which torch.func refuses (see [Note: reshard after forward ...]).
+        self.tracking = async_allowed()
+        self.groups: dict[str, _Group] = {}
+        self.index: dict[str, tuple[_Group, int]] = {}
+        for g in plan.groups:
+            leaves = [sharded[p] for p in g.params]
+            pairs = [
+                as_local(p, leaf, "schedule") for p, leaf in zip(g.params, leaves, strict=True)
+            ]
+            layouts = [
+                _flat.Layout.of(p, spec, t) for p, (t, spec) in zip(g.params, pairs, strict=True)
+            ]
+            state = _Group(
+                g.name,
+                leaves,
+                [t for t, _ in pairs],
+                layouts,
+                _flat.Options(g.name, opts.param_dtype, opts.reduce_dtype, opts.mean),
+            )
+            self.groups[g.name] = state
+            for i, p in enumerate(g.params):
+                self.index[p] = (state, i)
+        self.forward = _Cursor(plan.order, plan.forward, "forward")
+        self.backward = _Cursor(plan.backward_order, plan.backward, "backward")
+        self.in_forward = True
+        self.owner: dict[int, str] = {}  # storage data_ptr -> group, while unsharded
+        self.range = None
+
+    # ---- what the module sees ------------------------------------------------------------
+    def metadata(self, fqn: str):
+        state, i = self.index[fqn]
+        local = state.locals[i]
+        return state.layouts[i].levels[0], state.opts.param_dtype or local.dtype, local.device
+
+    def resolve(self, fqn: str) -> torch.Tensor:
+        state, i = self.index[fqn]
+        if self.in_forward:
+            self._use(self.forward, state.name)
+        else:  # the module kept a Deferred and used it after forward
+            self._ensure(state.name)
+        return state.fulls[i]
+
+    # ---- moving through the plan ---------------------------------------------------------
+    def _use(self, cursor: _Cursor, group: str) -> None:
+        if cursor.current() != group:
+            j = cursor.find(group)
+            if j is None:
+                self._ensure(group)
+                return
+            for step in cursor.advance(j):
+                self._execute(step, cursor.compute)
+            self._enter(f"funcshard::{cursor.compute} ({group})")
+        self._ensure(group)
+
+    def _execute(self, step: Step, direction: str) -> None:
+        state = self.groups[step.group]
+        if step.op == "all_gather":
+            state.issue()
+        elif step.op == "wait":
+            self._materialize(state)
+        elif step.op == "free" and direction == "forward" and self.tracking:
+            self._free(state)
+        # backward frees and reduce-scatters happen when autograd finishes the group (Notify)
+
+    def _ensure(self, group: str) -> None:
+        """Make ``group`` usable; warn if that takes a gather the plan did not schedule."""
+        state = self.groups[group]
+        if state.resident:
+            return
+        if not state.pending:
+            cursor = self.forward if self.in_forward else self.backward
+            warnings.warn(
+                f"funcshard: group {group!r} used out of the planned {cursor.compute} order "
+                f"(planned: {cursor.current()!r}); gathering it on demand. Record the plan with "
+                "example_args like this call's, or pass order= to fs.plan.",
+                stacklevel=4,
+            )
+        self._materialize(state)
+
+    def _materialize(self, state: _Group) -> None:
+        notify = None
+        if self.tracking and torch.is_grad_enabled():
+            notify = self._post_backward(state)
+        elif self.sink is not None and torch.is_grad_enabled():
+            notify = _sink.to_sink(self.sink, state.leaves, [t.dtype for t in state.locals])
+        state.wait(notify)
+        for p in state.pointers():
+            self.owner[p] = state.name
+
+    def _free(self, state: _Group) -> None:
+        for p in state.pointers():
+            self.owner.pop(p, None)
+        state.free()
+
+    def _post_backward(self, state: _Group) -> Callable:
+        route = _sink.to_sink(self.sink, state.leaves, [t.dtype for t in state.locals])
+
+        def done(grads):
+            self._exit()
+            self._free(state)
+            return route(grads)
+
+        return done
+
+    def end_forward(self) -> None:
+        self._exit()
+        self.in_forward = False
+        for step in self.forward.rest():
+            state = self.groups[step.group]
+            if step.op == "wait" and state.pending:
+                state.free()  # a prefetch the module never needed
+            elif step.op == "free" and self.tracking:
+                self._free(state)
+        if self.tracking:  # groups gathered on demand are freed like planned ones
+            reshard = {g.name: g.reshard_after_forward for g in self.plan.groups}
+            for name, state in self.groups.items():
+                if reshard[name] and (state.resident or state.pending):
+                    self._free(state)
+
+    # ---- backward ------------------------------------------------------------------------
+    def saved_tensor_hooks(self):
+        if not (self.tracking and torch.is_grad_enabled()):
+            return contextlib.nullcontext()
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor):
+        group = self.owner.get(t.untyped_storage().data_ptr()) if self.owner else None
+        return t if group is None else _Saved(group, t)
+
+    def _unpack(self, saved):
+        if isinstance(saved, _Saved):
+            self._use(self.backward, saved.group)
+            return saved.tensor
+        return saved
+
+    def _enter(self, label: str) -> None:
+        self._exit()
+        self.range = record_function(label)
+        self.range.__enter__()
+
+    def _exit(self) -> None:
+        if self.range is not None:
+            self.range.__exit__(None, None, None)
+            self.range = None
