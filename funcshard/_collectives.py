@@ -230,23 +230,25 @@ class AllReduce(torch.autograd.Function):
 
 
 class Wait(torch.autograd.Function):
-    """Identity whose backward waits for its (possibly pending) gradient.
+    """Identity on tensors whose backward waits for their (possibly pending) gradients.
 
-    See [Note: pending tensors]. Only used under plain autograd.
+    See [Note: pending tensors]. Only used under plain autograd; ``label`` names the wait in
+    profiler traces.
     """
 
     @staticmethod
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
+    def forward(label: str, *xs: torch.Tensor):
+        return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        pass
+        ctx.label = inputs[0]
 
     @staticmethod
-    def backward(ctx, g):
-        return wait(g)
+    def backward(ctx, *grads):
+        with record_function(ctx.label):
+            return (None, *(g if g is None else wait(g) for g in grads))
 
     @staticmethod
-    def jvp(ctx, t):
-        return t.view_as(t)
+    def jvp(ctx, _, *tangents):
+        return tuple(t.view_as(t) for t in tangents)

@@ -26,7 +26,6 @@ import math
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.tensor import Shard
 
 from . import _collectives as C
@@ -118,6 +117,7 @@ class Inflight:
 
 
 def _comm(layout: Layout, mesh_dim: int, opts: Options, dtype, async_op: bool) -> C.Comm:
+    """``dtype``: the dtype the all-gather sends when no ``param_dtype`` is set."""
     mesh = layout.spec.mesh
     gather = opts.param_dtype or dtype
     return C.Comm(
@@ -147,8 +147,12 @@ def _buckets(tensors: Sequence[torch.Tensor], layouts: Sequence[Layout]) -> list
 
 
 def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """Zero-pad ``dim`` to ``size``. A concatenation, whose backward is a view (``F.pad``'s
+    copies), so a pending gradient passes through unread."""
     extra = size - x.shape[dim]
-    return x if extra == 0 else F.pad(x, [0, 0] * (x.dim() - 1 - dim) + [0, extra])
+    if extra == 0:
+        return x
+    return torch.cat([x, x.new_zeros(*x.shape[:dim], extra, *x.shape[dim + 1 :])], dim=dim)
 
 
 def _from_rank_major(rows: torch.Tensor, chunk_shape: tuple[int, ...], dim: int) -> torch.Tensor:
@@ -175,14 +179,12 @@ def _split(flat: torch.Tensor, shapes, dims, sizes) -> list[torch.Tensor]:
     return out
 
 
-def _start_level(xs, layouts, mesh_dim: int, comm: C.Comm, flat_dtype, broadcasts) -> _Level:
+def _start_level(xs, layouts, mesh_dim: int, comm: C.Comm, broadcasts) -> _Level:
     """Pad, copy in, mark replicated mesh dims, and issue the all-gather of one mesh dim."""
     dims = [lay.dim(mesh_dim) for lay in layouts]
     sizes = [lay.levels[mesh_dim][d] for lay, d in zip(layouts, dims, strict=True)]
     padded = [_pad(x, d, -(-n // comm.world)) for x, d, n in zip(xs, dims, sizes, strict=True)]
-    flat = torch.cat([x.reshape(-1) for x in padded]).to(flat_dtype)
-    if comm.async_op:
-        flat = C.Wait.apply(flat)
+    flat = torch.cat([x.reshape(-1) for x in padded])
     for b in broadcasts:
         flat = C.Broadcast.apply(flat, b)
     buffer = C.AllGather.apply(flat, comm)
@@ -204,34 +206,60 @@ def _finish_level(level: _Level) -> list[torch.Tensor]:
     return out
 
 
-def issue(tensors: Sequence[torch.Tensor], layouts: Sequence[Layout], opts: Options) -> Inflight:
+def _flat_dtype(opts: Options, dtype: torch.dtype) -> torch.dtype:
+    """See [Note: flat dtype]."""
+    gather = opts.param_dtype or dtype
+    return gather if (opts.reduce_dtype or gather) == gather else dtype
+
+
+def arm(tensors: Sequence[torch.Tensor], opts: Options) -> list[torch.Tensor]:
+    """Cast shards to their copy-in dtype and, under plain autograd, put a :class:`Wait` on
+    them: the node where the backward reduce-scatter of these shards is waited for.
+
+    Calling it before the gather is issued (the scheduler arms the next group when the
+    current one starts) places that wait after the current group's backward, whatever the
+    prefetch: see [Note: pending tensors] in ``_collectives``. Nothing between the ``Wait`` and
+    the all-gather reads the gradient (only pads, concatenations and views), which is why the
+    cast comes first.
+    """
+    cast = [x.to(_flat_dtype(opts, x.dtype)) for x in tensors]
+    if not C.async_allowed() or not torch.is_grad_enabled():
+        return cast
+    return list(C.Wait.apply(f"funcshard::wait_reduce_scatter ({opts.label})", *cast))
+
+
+def issue(
+    tensors: Sequence[torch.Tensor],
+    layouts: Sequence[Layout],
+    opts: Options,
+    armed: Sequence[torch.Tensor] | None = None,
+) -> Inflight:
     """Start gathering ``tensors`` (logical local shards) to their full logical shapes.
 
-    Under plain autograd each bucket's first all-gather is left pending; :func:`finish` waits.
+    ``armed``: the result of :func:`arm` for these tensors, if already made. Under plain
+    autograd each bucket's first all-gather is left pending; :func:`finish` waits.
     """
     async_op = C.async_allowed()
+    out_dtypes = [opts.param_dtype or t.dtype for t in tensors]
+    tensors = list(armed) if armed is not None else arm(tensors, opts)
     started = []
     for idx in _buckets(tensors, layouts):
         xs, lays = [tensors[i] for i in idx], [layouts[i] for i in idx]
         sharded, replicated = _mesh_dims(lays[0])
         first = sharded[-1] if sharded else replicated[0]  # see [Note: order of mesh dims]
-        comm = _comm(lays[0], first, opts, xs[0].dtype, async_op)
-        flat_dtype = comm.gather_dtype if comm.reduce_dtype == comm.gather_dtype else xs[0].dtype
+        comm = _comm(lays[0], first, opts, out_dtypes[idx[0]], async_op)
         broadcasts = [_comm(lays[0], r, opts, xs[0].dtype, async_op) for r in replicated]
         if sharded:
-            state: _Level | list[torch.Tensor] = _start_level(
-                xs, lays, first, comm, flat_dtype, broadcasts
-            )
+            state: _Level | list[torch.Tensor] = _start_level(xs, lays, first, comm, broadcasts)
         else:
-            flat = torch.cat([x.reshape(-1) for x in xs]).to(flat_dtype)
-            flat = C.Wait.apply(flat) if async_op else flat
+            flat = torch.cat([x.reshape(-1) for x in xs])
             for b in broadcasts:
                 flat = C.Broadcast.apply(flat, b)
             shapes = [tuple(x.shape) for x in xs]
             state = [
                 f.view(s) for f, s in zip(flat.split([x.numel() for x in xs]), shapes, strict=True)
             ]
-        started.append(_Started(idx, lays, state, comm.gather_dtype))
+        started.append(_Started(idx, lays, state, out_dtypes[idx[0]]))
     return Inflight(started, len(tensors), opts)
 
 
@@ -244,7 +272,7 @@ def finish(inflight: Inflight) -> list[torch.Tensor]:
             fulls = _finish_level(fulls)
             for m in reversed(_mesh_dims(b.layouts[0])[0][:-1]):  # more sharded dims: synchronous
                 comm = _comm(b.layouts[0], m, inflight.opts, fulls[0].dtype, False)
-                fulls = _finish_level(_start_level(fulls, b.layouts, m, comm, fulls[0].dtype, []))
+                fulls = _finish_level(_start_level(fulls, b.layouts, m, comm, []))
         for i, full in zip(b.index, fulls, strict=True):
             out[i] = full.to(b.out_dtype)
     return out  # type: ignore[return-value]

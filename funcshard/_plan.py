@@ -235,13 +235,13 @@ def _close(name: str, runs: list[str]) -> None:
         runs.append(name)
 
 
-def _upcoming(order, i, count, skip) -> list[str]:
-    """The next ``count`` distinct groups after run ``i`` that are not in ``skip``."""
+def _upcoming(order, i, count) -> list[str]:
+    """The ``count`` distinct groups that run next after run ``i`` (its own group excluded)."""
     out: list[str] = []
     for g in order[i + 1 :]:
         if len(out) == count:
             break
-        if g not in skip and g not in out:
+        if g != order[i] and g not in out:
             out.append(g)
     return out
 
@@ -262,9 +262,10 @@ def _steps(order, prefetch, resident, compute, after_last) -> list[Step]:
             steps.append(Step("wait", g))
             pending.remove(g)
             resident.add(g)
-        for h in _upcoming(order, i, prefetch, resident | pending):
-            steps.append(Step("all_gather", h))
-            pending.add(h)
+        for h in _upcoming(order, i, prefetch):
+            if h not in resident | pending:
+                steps.append(Step("all_gather", h))
+                pending.add(h)
         steps.append(Step(compute, g))
         if i == last[g]:
             for op in after_last(g):

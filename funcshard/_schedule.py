@@ -133,6 +133,7 @@ class _Group:
         self.name, self.leaves, self.locals, self.layouts = name, leaves, locals_, layouts
         self.opts = opts
         self.inflight: _flat.Inflight | None = None
+        self.armed: list[torch.Tensor] | None = None  # see _flat.arm
         self.raw: list[torch.Tensor] | None = None  # gathered tensors (storage owners)
         self.fulls: list[torch.Tensor] | None = None  # what the module computes with
         self.storages: list[tuple[torch.UntypedStorage, int]] = []
@@ -142,11 +143,17 @@ class _Group:
     def pending(self) -> bool:
         return self.inflight is not None
 
+    def arm(self) -> None:
+        if self.raw is None and self.armed is None:
+            self.armed = _flat.arm(self.locals, self.opts)
+
     def issue(self) -> None:
         if self.resident or self.pending:
             return
         if self.raw is None:  # first gather: recorded by autograd
-            self.inflight = _flat.issue(self.locals, self.layouts, self.opts)
+            self.arm()
+            self.inflight = _flat.issue(self.locals, self.layouts, self.opts, self.armed)
+            self.armed = None
         else:  # a re-gather only refills storage: not part of the graph
             with torch.no_grad():
                 self.inflight = _flat.issue(self.locals, self.layouts, self.opts)
@@ -201,6 +208,10 @@ class _Cursor:
 
     def current(self) -> str | None:
         return self.runs[self.run] if self.run >= 0 else None
+
+    def following(self) -> str | None:
+        """The next group to run after the current run, other than the current group."""
+        return next((g for g in self.runs[self.run + 1 :] if g != self.current()), None)
 
     def find(self, group: str) -> int | None:
         return next((j for j in range(self.run + 1, len(self.runs)) if self.runs[j] == group), None)
@@ -274,6 +285,9 @@ class _Run:
                 return
             for step in cursor.advance(j):
                 self._execute(step, cursor.compute)
+            following = cursor.following()
+            if self.in_forward and following is not None and torch.is_grad_enabled():
+                self.groups[following].arm()  # see _flat.arm: overlap of its reduce-scatter
             self._enter(f"funcshard::{cursor.compute} ({group})")
         self._ensure(group)
 
