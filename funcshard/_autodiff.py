@@ -60,17 +60,14 @@ def value_and_grad(
             out = fn(*args, **kwargs)
             value, aux = out if has_aux else (out, None)
             _check_value(fn, value, has_aux)
-            grads = torch.autograd.grad(value, inputs, allow_unused=True) if inputs else ()
-        if sink is None:
-            grads = [
-                _like(torch.zeros_like(t) if g is None else g, x)
-                for g, t, x in zip(grads, inputs, inputs_leaves, strict=True)
-            ]
-        else:
-            grads = [
-                _unreduced(sink, x, g, t)
-                for g, t, x in zip(grads, inputs, inputs_leaves, strict=True)
-            ]
+            if sink is None:
+                grads = torch.autograd.grad(value, inputs, allow_unused=True) if inputs else ()
+                grads = [
+                    _like(torch.zeros_like(t) if g is None else g, x)
+                    for g, t, x in zip(grads, inputs, inputs_leaves, strict=True)
+                ]
+            else:
+                grads = _unreduced(value, sink, inputs, inputs_leaves)
         trees = [unflatten(spec, grads[start : start + n]) for spec, n, start in rebuild]
         result = trees[0] if isinstance(argnums, int) else tuple(trees)
         value = value.detach()
@@ -106,16 +103,27 @@ def _check_value(fn, value, has_aux: bool) -> None:
         )
 
 
-def _unreduced(sink: _sink.GradSink, leaf, grad, tensor: torch.Tensor) -> torch.Tensor:
-    """A leaf's gradient without sync: for shards, the unreduced full gradient from the sink."""
-    if isinstance(leaf, LocalShard):
-        shape = leaf.spec.shape
-    elif isinstance(leaf, DTensor):
-        shape = leaf.shape
-    else:
-        return torch.zeros_like(tensor) if grad is None else grad
-    full = sink.get(leaf)
-    return full if full is not None else tensor.new_zeros(shape)
+def _unreduced(value, sink: _sink.GradSink, inputs, leaves) -> list[torch.Tensor]:
+    """Gradients without sync: for sharded leaves, the sum of the full gradients of every
+    tensor gathered from them (see [Note: gradient accumulation without communication])."""
+    shard = [isinstance(x, LocalShard | DTensor) for x in leaves]
+    plain = [t for t, s in zip(inputs, shard, strict=True) if not s]
+    targets = [t for _, t in sink.targets]
+    grads = torch.autograd.grad(value, plain + targets, allow_unused=True)
+    full: dict[int, torch.Tensor] = {}
+    for (leaf, t), g in zip(sink.targets, grads[len(plain) :], strict=True):
+        g = torch.zeros_like(t) if g is None else g
+        full[id(leaf)] = g if id(leaf) not in full else full[id(leaf)] + g
+    out, plain_grads = [], iter(grads[: len(plain)])
+    for t, x, s in zip(inputs, leaves, shard, strict=True):
+        if not s:
+            g = next(plain_grads)
+            out.append(torch.zeros_like(t) if g is None else g)
+            continue
+        shape = x.spec.shape if isinstance(x, LocalShard) else x.shape
+        g = full.get(id(x))
+        out.append(t.new_zeros(shape) if g is None else g.detach().to(t.dtype))
+    return out
 
 
 def _fresh_leaf(path: str, x):

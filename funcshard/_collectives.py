@@ -127,12 +127,22 @@ def _moved(x: torch.Tensor, bdim: int) -> torch.Tensor:
     return x.movedim(bdim, 0)
 
 
+def start_all_gather(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """Issue the all-gather of ``x`` outside autograd; the result, pending if ``comm.async_op``,
+    is handed to :class:`AllGather` later (see [Note: issue early, record late] in ``_flat``)."""
+    with torch.no_grad():
+        return _all_gather(x.detach(), comm)
+
+
 class AllGather(torch.autograd.Function):
-    """Gather equal-sized pieces along ``comm.dim``; backward: :class:`ReduceScatter`."""
+    """Gather equal-sized pieces along ``comm.dim``; backward: :class:`ReduceScatter`.
+
+    ``gathered``: the result of :func:`start_all_gather` for ``x``, if already issued.
+    """
 
     @staticmethod
-    def forward(x: torch.Tensor, comm: Comm) -> torch.Tensor:
-        return _all_gather(x, comm)
+    def forward(x: torch.Tensor, comm: Comm, gathered: torch.Tensor | None = None):
+        return gathered if gathered is not None else _all_gather(x, comm)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -140,14 +150,14 @@ class AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return ReduceScatter.apply(g, ctx.comm, ctx.in_dtype), None
+        return ReduceScatter.apply(g, ctx.comm, ctx.in_dtype), None, None
 
     @staticmethod
-    def jvp(ctx, t, _):
+    def jvp(ctx, t, _, __):
         return AllGather.apply(t, ctx.comm.synchronous())
 
     @staticmethod
-    def vmap(info, in_dims, x, comm):
+    def vmap(info, in_dims, x, comm, gathered=None):
         if in_dims[0] is None:
             return AllGather.apply(x, comm.synchronous()), None
         return AllGather.apply(_moved(x, in_dims[0]), comm.batched()), 0

@@ -87,14 +87,15 @@ class Options:
 
 @dataclasses.dataclass
 class _Level:
-    """A gather of one mesh dim, issued and not yet copied out."""
+    """A gather of one mesh dim: copied in (and, under plain autograd, issued), not finished."""
 
-    buffer: torch.Tensor
-    world: int
+    flat: torch.Tensor  # the copied-in input, connected to the shards by autograd
+    comm: C.Comm
+    broadcasts: list[C.Comm]  # replicated mesh dims, marked on ``flat`` when finishing
+    pre: torch.Tensor | None  # the all-gather, issued without autograd (pending)
     shapes: list[tuple[int, ...]]  # padded chunk shapes
     dims: list[int]
     sizes: list[int]  # sizes along dims after the gather
-    pending: bool  # issued asynchronously (plain autograd): wait before reading
 
 
 @dataclasses.dataclass
@@ -180,19 +181,33 @@ def _split(flat: torch.Tensor, shapes, dims, sizes) -> list[torch.Tensor]:
 
 
 def _start_level(xs, layouts, mesh_dim: int, comm: C.Comm, broadcasts) -> _Level:
-    """Pad, copy in, mark replicated mesh dims, and issue the all-gather of one mesh dim."""
+    """Pad and copy in; under plain autograd also issue the all-gather of one mesh dim.
+
+    [Note: issue early, record late]
+    Autograd runs ready backward nodes newest first. If the all-gather's node were created
+    when a prefetch issues it (before the current group computes), its backward -- the
+    reduce-scatter -- would run only after the current group's whole backward. So the
+    collective is issued here without autograd, and the ``AllGather`` node is created in
+    :func:`_finish_level`, when the group is first used, with the pre-gathered buffer: its
+    reduce-scatter then starts as soon as this group's backward ends. (Under ``torch.func``
+    everything happens when finishing, synchronously.)
+    """
     dims = [lay.dim(mesh_dim) for lay in layouts]
     sizes = [lay.levels[mesh_dim][d] for lay, d in zip(layouts, dims, strict=True)]
     padded = [_pad(x, d, -(-n // comm.world)) for x, d, n in zip(xs, dims, sizes, strict=True)]
     flat = torch.cat([x.reshape(-1) for x in padded])
-    for b in broadcasts:
-        flat = C.Broadcast.apply(flat, b)
-    buffer = C.AllGather.apply(flat, comm)
-    return _Level(buffer, comm.world, [tuple(p.shape) for p in padded], dims, sizes, comm.async_op)
+    pre = C.start_all_gather(flat, comm) if comm.async_op else None
+    return _Level(flat, comm, broadcasts, pre, [tuple(p.shape) for p in padded], dims, sizes)
 
 
 def _finish_level(level: _Level) -> list[torch.Tensor]:
-    rows = (C.wait(level.buffer) if level.pending else level.buffer).view(level.world, -1)
+    flat = level.flat
+    for b in level.broadcasts:
+        flat = C.Broadcast.apply(flat, b)
+    if level.pre is not None:
+        C.wait(level.pre)  # before it becomes an autograd output: waiting counts as a write
+    buffer = C.AllGather.apply(flat, level.comm, level.pre)
+    rows = buffer.view(level.comm.world, -1)
     out = []
     for r, shape, d, n in zip(
         rows.split([math.prod(s) for s in level.shapes], dim=1),
@@ -203,7 +218,26 @@ def _finish_level(level: _Level) -> list[torch.Tensor]:
     ):
         full = _from_rank_major(r, shape, d)
         out.append(full if full.shape[d] == n else full.narrow(d, 0, n))
+    if level.pre is not None:
+        _release([buffer, level.flat], keep=out)
     return out
+
+
+def _release(tensors: Sequence[torch.Tensor], keep: Sequence[torch.Tensor]) -> None:
+    """Free the storage of a finished collective's input and output now.
+
+    [Note: releasing collective buffers]
+    After the wait, c10d's work object still references the collective's input and output
+    (gloo keeps the last work until the next one), so dropping our references frees nothing
+    until the next collective -- one group too late for the prefetch window. Both are ours,
+    read by nobody once copied out (autograd saves neither), so their storage is emptied here,
+    unless a result is a view of them (single-tensor buckets).
+    """
+    kept = {t.untyped_storage().data_ptr() for t in keep}
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in kept:
+            storage.resize_(0)
 
 
 def _flat_dtype(opts: Options, dtype: torch.dtype) -> torch.dtype:

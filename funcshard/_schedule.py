@@ -158,8 +158,9 @@ class _Group:
             with torch.no_grad():
                 self.inflight = _flat.issue(self.locals, self.layouts, self.opts)
 
-    def wait(self, notify: Callable | None) -> None:
-        """Make the full tensors usable (``notify``: the first gather's post-backward)."""
+    def wait(self, notify: Callable | None, freeable: bool) -> None:
+        """Make the full tensors usable. ``notify``: the first gather's post-backward callback;
+        ``freeable``: record storages to free (not under torch.func, whose wrappers have none)."""
         if self.resident:
             return
         self.issue()
@@ -169,7 +170,7 @@ class _Group:
                 self.raw = _flat.finish(inflight)
                 self.fulls = list(_sink.Notify.apply(notify, *self.raw)) if notify else self.raw
                 seen = {}
-                for t in self.raw:
+                for t in self.raw if freeable else ():
                     s = t.untyped_storage()
                     seen.setdefault(s.data_ptr(), (s, s.nbytes()))
                 self.storages = list(seen.values())
@@ -317,12 +318,11 @@ class _Run:
         self._materialize(state)
 
     def _materialize(self, state: _Group) -> None:
-        notify = None
-        if self.tracking and torch.is_grad_enabled():
-            notify = self._post_backward(state)
-        elif self.sink is not None and torch.is_grad_enabled():
-            notify = _sink.to_sink(self.sink, state.leaves, [t.dtype for t in state.locals])
-        state.wait(notify)
+        first = state.raw is None
+        notify = self._post_backward(state) if self.tracking and torch.is_grad_enabled() else None
+        state.wait(notify, self.tracking)
+        if first and self.sink is not None:  # see [Note: gradient accumulation without ...]
+            self.sink.track(state.leaves, state.raw)
         for p in state.pointers():
             self.owner[p] = state.name
 
@@ -332,12 +332,10 @@ class _Run:
         state.free()
 
     def _post_backward(self, state: _Group) -> Callable:
-        route = _sink.to_sink(self.sink, state.leaves, [t.dtype for t in state.locals])
-
         def done(grads):
             self._exit()
             self._free(state)
-            return route(grads)
+            return grads
 
         return done
 

@@ -1,20 +1,23 @@
-"""Where a group's full gradients go: reduce-scatter (default) or, without sync, a sink.
+"""Without gradient sync: where the gathers of a ``value_and_grad(sync_grads=False)`` call are
+recorded; and ``Notify``, the scheduler's "this group's backward is done" node.
 
 [Note: gradient accumulation without communication]
 ``value_and_grad(fn, sync_grads=False)`` must return each rank's *unreduced* full gradients, so
 that micro-batches accumulate locally and one :func:`~funcshard.reduce` follows. While it runs,
-a :class:`GradSink` is current (a context variable scoped to that call). Gathers made under it
-(by ``unshard`` or a schedule) put a :class:`Notify` node on their full tensors; its backward
-receives the full gradients, adds them to the sink and returns ``None``, so autograd never runs
-the reduce-scatter behind it. ``Notify`` is also the scheduler's "this group's backward is
-done" signal (see ``_schedule``).
+a :class:`GradSink` is current (a context variable scoped to that call); every gather made under
+it (by ``unshard`` or a schedule) records its full tensors there. ``value_and_grad`` then asks
+autograd for the gradients *of those full tensors* instead of the shards: the engine stops at
+them, so the reduce-scatters behind them never run. (Returning ``None`` from a node above the
+gather would not do: autograd materializes ``None`` as zeros for custom Functions, and the
+collective would still run, on zeros.) Gradients reaching a shard other than through a gather
+are not part of such a result.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 
 import torch
 
@@ -24,18 +27,16 @@ _SINK: contextvars.ContextVar[GradSink | None] = contextvars.ContextVar(
 
 
 class GradSink:
-    """Full gradients per differentiated leaf, summed over every gather of that leaf."""
+    """The full tensors gathered from each differentiated leaf during one call."""
 
     def __init__(self) -> None:
-        self._grads: dict[int, torch.Tensor] = {}
+        self.targets: list[tuple[object, torch.Tensor]] = []
 
-    def add(self, leaf, grad: torch.Tensor, dtype: torch.dtype) -> None:
-        grad = grad.detach().to(dtype)
-        key = id(leaf)
-        self._grads[key] = grad if key not in self._grads else self._grads[key] + grad
-
-    def get(self, leaf) -> torch.Tensor | None:
-        return self._grads.get(id(leaf))
+    def track(self, leaves, fulls) -> None:
+        if torch.is_grad_enabled():
+            self.targets.extend(
+                (leaf, t) for leaf, t in zip(leaves, fulls, strict=True) if t.requires_grad
+            )
 
 
 @contextlib.contextmanager
@@ -71,17 +72,3 @@ class Notify(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, _, *tangents):
         return tuple(t.view_as(t) for t in tangents)
-
-
-def to_sink(sink: GradSink | None, leaves: Sequence, dtypes: Sequence[torch.dtype]) -> Callable:
-    """A ``Notify`` callback: gradients go to ``sink`` (then stop), or pass on if it is None."""
-
-    def route(grads):
-        if sink is None:
-            return grads
-        for leaf, g, dtype in zip(leaves, grads, dtypes, strict=True):
-            if g is not None:
-                sink.add(leaf, g, dtype)
-        return (None,) * len(grads)
-
-    return route

@@ -100,3 +100,26 @@ def shard_of(full: torch.Tensor, dtensor) -> torch.Tensor:
     return distribute_tensor(
         full.detach(), dtensor.device_mesh, dtensor.placements, src_data_rank=None
     ).to_local()
+
+
+class WideBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.b(torch.tanh(self.a(x)))
+
+
+class Wide(nn.Module):
+    """Blocks whose parameters dwarf the activations of a batch of one: memory is parameters."""
+
+    def __init__(self, d: int = 256, layers: int = 6) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, d)
+        self.blocks = nn.Sequential(*(WideBlock(d) for _ in range(layers)))
+        self.out = nn.Linear(d, 1)
+
+    def forward(self, x):
+        return self.out(self.blocks(self.inp(x)))

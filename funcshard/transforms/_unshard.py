@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from .. import _flat, _sink
-from .._collectives import async_allowed
 from .._spec import as_local
 from .._tree import PyTree, flatten, unflatten
 
@@ -60,11 +59,8 @@ def unshard(
         )
     opts = _flat.Options("unshard", param_dtype, reduce_dtype, mean=reduce_mean(grad_reduce))
     fulls = _flat.gather(locals_, layouts, opts) if locals_ else []
-    sink = _sink.current()
-    if sink is not None and fulls and torch.is_grad_enabled() and async_allowed():
-        # value_and_grad(sync_grads=False): see [Note: gradient accumulation without ...]
-        route = _sink.to_sink(sink, leaves, [t.dtype for t in locals_])
-        fulls = _sink.Notify.apply(route, *fulls)
+    if (sink := _sink.current()) is not None:  # see [Note: gradient accumulation without ...]
+        sink.track(leaves, fulls)
     return unflatten(spec, fulls)
 
 

@@ -1,0 +1,371 @@
+"""schedule(module, plan): the same values and gradients as the unscheduled path, with FSDP2's
+communication and memory behaviour, and no hooks."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from _memory import peak_bytes
+from _models import Block, Wide, WideBlock, lm_loss, make, reference_step, shard_of, tokens
+from _world import mesh
+from torch import nn
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.func import grad, vmap
+from torch.profiler import ProfilerActivity, profile
+
+import funcshard as fs
+
+
+def _setup(mesh_shape=None, layers=2, batchnorm=True, **plan_kw):
+    world = dist.get_world_size()
+    model = make(layers=layers, batchnorm=batchnorm)
+    params, buffers = fs.extract(model)
+    sharded = fs.shard(params, mesh(*(mesh_shape or (world,))))
+    plan = fs.plan(model, fs.policy.by_type(Block), **plan_kw)
+    model.to("meta")
+    return model, sharded, {k: v.clone() for k, v in buffers.items()}, plan
+
+
+def _err(grads, ref):
+    return max(
+        (g.to_local() - shard_of(ref[k], g)).abs().max().item()
+        for k, g in grads.items()
+        if g.to_local().numel()
+    )
+
+
+def _counts(comm):
+    return {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items() if v}
+
+
+def parity(mesh_shape, prefetch, reshard):
+    """Scheduled step vs the unsharded reference and vs the unscheduled unshard path."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, sharded, buffers, plan = _setup(
+        mesh_shape, prefetch=prefetch, backward_prefetch=prefetch, reshard_after_forward=reshard
+    )
+    batch = tokens(rank)
+    apply = fs.schedule(model, plan)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="funcshard")
+        with CommDebugMode() as comm:
+            loss, grads = fs.value_and_grad(
+                lambda p: lm_loss(apply(p, batch, buffers=buffers), batch)
+            )(sharded)
+    unsched_buffers = {k: v.clone() for k, v in buffers.items()}
+    loss_u, grads_u = fs.value_and_grad(
+        lambda p: lm_loss(
+            fs.functional_call(model, (fs.unshard(p), unsched_buffers), (batch,)), batch
+        )
+    )(sharded)
+    ref_loss, ref, _ = reference_step(make(), [tokens(r) for r in range(world)])
+    mean = loss.clone()
+    dist.all_reduce(mean)
+    return {
+        "ref": max(_err(grads, ref), abs(mean.item() / world - ref_loss.item())),
+        "unscheduled": max(
+            _err(grads, {k: v.full_tensor() for k, v in grads_u.items()}),
+            abs(loss.item() - loss_u.item()),
+        ),
+        "counts": _counts(comm),
+        "groups": len(plan.groups),
+    }
+
+
+def _check(results, reshard, hsdp=False):
+    for r in results:
+        assert r["ref"] < 1e-5 and r["unscheduled"] < 1e-6, r
+        g = r["groups"]
+        expected = {
+            "all_gather_into_tensor": 2 * g - 1 if reshard else g,
+            "reduce_scatter_tensor": g,
+        }
+        if hsdp:
+            expected["all_reduce"] = g
+        assert r["counts"] == expected, r
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+@pytest.mark.parametrize("reshard", [True, False])
+def test_parity_2_ranks(world2, prefetch, reshard):
+    _check(world2.run(parity, None, prefetch, reshard), reshard)
+
+
+@pytest.mark.parametrize(("prefetch", "reshard"), [(1, True), (0, False), (2, True)])
+def test_parity_4_ranks(world4, prefetch, reshard):
+    _check(world4.run(parity, None, prefetch, reshard), reshard)
+
+
+@pytest.mark.parametrize(("prefetch", "reshard"), [(1, True), (2, False)])
+def test_parity_hsdp(world4, prefetch, reshard):
+    _check(world4.run(parity, (2, 2), prefetch, reshard), reshard, hsdp=True)
+
+
+_HOOK_APIS = [
+    (nn.Module, "register_forward_pre_hook"),
+    (nn.Module, "register_forward_hook"),
+    (nn.Module, "register_full_backward_pre_hook"),
+    (nn.Module, "register_full_backward_hook"),
+    (nn.Module, "register_backward_hook"),
+    (torch.Tensor, "register_hook"),
+    (torch.Tensor, "register_post_accumulate_grad_hook"),
+    (torch.nn.modules.module, "register_module_forward_pre_hook"),
+    (torch.nn.modules.module, "register_module_forward_hook"),
+    (torch.nn.modules.module, "register_module_full_backward_pre_hook"),
+    (torch.nn.modules.module, "register_module_full_backward_hook"),
+    (torch.nn.modules.module, "register_module_backward_hook"),
+    (torch.autograd.graph, "register_multi_grad_hook"),
+]
+
+
+class _Probe(nn.Module):
+    """Checks, in the middle of the forward, that no module or global hook is installed."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.root = [root]
+
+    def forward(self, x):
+        m = torch.nn.modules.module
+        globals_ = [
+            m._global_forward_pre_hooks,
+            m._global_forward_hooks,
+            m._global_backward_hooks,
+            m._global_backward_pre_hooks,
+        ]
+        modules = [
+            (n, mod)
+            for n, mod in self.root[0].named_modules()
+            if mod._forward_pre_hooks
+            or mod._forward_hooks
+            or mod._backward_hooks
+            or mod._backward_pre_hooks
+        ]
+        assert not any(globals_) and not modules, (globals_, modules)
+        return x
+
+
+def no_hooks():
+    rank = dist.get_rank()
+    calls = []
+    saved = [(owner, name, getattr(owner, name)) for owner, name in _HOOK_APIS]
+    for owner, name, fn in saved:
+
+        def spy(*a, _name=name, _fn=fn, **k):
+            calls.append(_name)
+            return _fn(*a, **k)
+
+        setattr(owner, name, spy)
+    try:
+        model = make()
+        model.norm = nn.Sequential(model.norm, _Probe(model))
+        params, buffers = fs.extract(model)
+        sharded = fs.shard(params, mesh(dist.get_world_size()))
+        plan = fs.plan(model, fs.policy.by_type(Block), example_args=(tokens(rank),))
+        apply = fs.schedule(model, plan)
+        batch = tokens(rank)
+        fs.value_and_grad(lambda p: lm_loss(apply(p, batch, buffers=buffers), batch))(sharded)
+        with torch.no_grad():
+            apply(sharded, batch, buffers=buffers)
+        grad(lambda p, bufs: lm_loss(apply(p, batch, buffers=bufs), batch))(
+            fs.to_local(sharded), buffers
+        )
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+    return calls
+
+
+def test_no_hooks_are_registered(world2):
+    assert world2.run(no_hooks) == [[], []]
+
+
+def out_of_order():
+    """A plan whose order is wrong for this forward: correct result, a warning naming groups."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, sharded, buffers, plan = _setup()
+    wrong = plan.replace(order=("", "blocks.1", "blocks.0", ""))
+    batch = tokens(rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, grads = fs.value_and_grad(
+            lambda p: lm_loss(fs.schedule(model, wrong)(p, batch, buffers=buffers), batch)
+        )(sharded)
+    _, ref, _ = reference_step(make(), [tokens(r) for r in range(world)])
+    messages = [str(w.message) for w in caught if "funcshard" in str(w.message)]
+    return _err(grads, ref), messages
+
+
+def test_out_of_order_use_warns_and_stays_correct(world2):
+    for err, messages in world2.run(out_of_order):
+        assert err < 1e-5
+        assert messages and "'blocks.0'" in messages[0] and "planned" in messages[0]
+
+
+def accumulate(micro):
+    """sync_grads=False for every micro-batch (no reduce-scatter), then one fs.reduce."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, sharded, buffers, plan = _setup()
+    apply = fs.schedule(model, plan)
+    acc, counts = None, {}
+    for step in range(micro):  # one CommDebugMode per step: its module tracker spans one pass
+        batch = tokens(rank, step=step)
+        with CommDebugMode() as comm:
+            _, full = fs.value_and_grad(
+                lambda p, b=batch: lm_loss(apply(p, b, buffers=buffers), b), sync_grads=False
+            )(sharded)
+        for k, v in _counts(comm).items():
+            counts[k] = counts.get(k, 0) + v
+        acc = full if acc is None else fs.tree_map(torch.add, acc, full)
+    with CommDebugMode() as comm:
+        grads = fs.reduce(fs.tree_map(lambda g: g / micro, acc), like=sharded)
+    ref = None
+    for step in range(micro):
+        _, g, _ = reference_step(make(), [tokens(r, step=step) for r in range(world)])
+        ref = g if ref is None else {k: ref[k] + g[k] for k in g}
+    ref = {k: v / micro for k, v in ref.items()}
+    full_shapes = all(acc[k].shape == sharded[k].shape for k in acc)
+    return _err(grads, ref), counts, _counts(comm), full_shapes
+
+
+def test_accumulation_without_communication(world2):
+    for err, during, final, full_shapes in world2.run(accumulate, 3):
+        assert err < 1e-5 and full_shapes
+        assert "reduce_scatter_tensor" not in during
+        assert final == {"reduce_scatter_tensor": 1}
+
+
+def two_forwards():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, sharded, buffers, plan = _setup()
+    apply = fs.schedule(model, plan)
+    a, b = tokens(rank, step=0), tokens(rank, step=1)
+
+    def loss(p):
+        return lm_loss(apply(p, a, buffers=buffers), a) + lm_loss(apply(p, b, buffers=buffers), b)
+
+    _, grads = fs.value_and_grad(loss)(sharded)
+    _, ra, _ = reference_step(make(), [tokens(r, step=0) for r in range(world)])
+    _, rb, _ = reference_step(make(), [tokens(r, step=1) for r in range(world)])
+    return _err(grads, {k: ra[k] + rb[k] for k in ra})
+
+
+def test_forward_twice_in_one_step(world2):
+    assert max(world2.run(two_forwards)) < 1e-5
+
+
+def under_torch_func():
+    """torch.func.grad and vmap(grad) through a schedule (no frees there, still correct)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, sharded, buffers, plan = _setup()
+    apply = fs.schedule(model, plan)
+    batch = tokens(rank)
+
+    def loss(p, bufs, b):
+        return lm_loss(apply(p, b, buffers=bufs), b)
+
+    grads = fs.from_local(grad(loss)(fs.to_local(sharded), buffers, batch))
+    _, ref, _ = reference_step(make(), [tokens(r) for r in range(world)])
+    # per-example gradients (a batch of one each) under vmap, against a loop
+    model_nb, sharded_nb, _, plan_nb = _setup(batchnorm=False)
+    apply_nb = fs.schedule(model_nb, plan_nb)
+    local = fs.to_local(sharded_nb)
+
+    def one(p, seq):
+        return lm_loss(apply_nb(p, seq[None]), seq[None])
+
+    per_example = vmap(grad(one), in_dims=(None, 0))(local, batch[:, :4])
+    loop = [grad(one)(local, seq) for seq in batch[:, :4]]
+    vmap_err = max(
+        (per_example[k].tensor[i] - loop[i][k].tensor).abs().max().item()
+        for k in per_example
+        for i in range(len(loop))
+    )
+    return _err(grads, ref), vmap_err
+
+
+def test_schedule_under_torch_func(world2):
+    for err, vmap_err in world2.run(under_torch_func):
+        assert err < 1e-5 and vmap_err < 1e-5
+
+
+def memory(prefetch, reshard, mode):
+    """Peak bytes above the start, over one block's full parameter bytes."""
+    torch.manual_seed(0)
+    model = Wide(layers=10)
+    params, _ = fs.extract(model)
+    world = dist.get_world_size()
+    sharded = fs.shard(params, mesh(world))
+    plan = fs.plan(
+        model, fs.policy.by_type(WideBlock), prefetch=prefetch, reshard_after_forward=reshard
+    )
+    model.to("meta")
+    apply = fs.schedule(model, plan)
+    block = sum(params[p].numel() * 4 for p in plan.groups[1].params)
+    x = torch.randn(1, 4)
+    if mode == "forward":
+        with torch.no_grad():
+            peak, _ = peak_bytes(lambda: apply(sharded, x))
+    else:
+        peak, _ = peak_bytes(lambda: fs.value_and_grad(lambda p: apply(p, x).sum())(sharded))
+    return peak / block, world
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_forward_memory_stays_in_the_prefetch_window(world2, prefetch):
+    """Forward peak, in full blocks: the 1 + prefetch groups unsharded or in flight (each
+    gather holding its output and its 1/W input), one copy-out transient (the gathered buffer
+    and the copies made from it), and gloo's own full-size temporary for a collective in
+    flight; 0.25 for the root group and the activations."""
+    peak, world = world2.run(memory, prefetch, True, "forward")[0]
+    bound = (1 + prefetch) * (1 + 1 / world) + 1 + 1 + 0.25
+    assert peak <= bound, (peak, bound)
+    kept, _ = world2.run(memory, prefetch, False, "forward")[0]
+    assert kept >= 10 > bound  # without resharding, all 10 blocks stay unsharded
+
+
+def test_step_memory_below_unsharded(world2):
+    peak, _ = world2.run(memory, 1, True, "step")[0]
+    kept, _ = world2.run(memory, 1, False, "step")[0]
+    assert peak < kept - 1, (peak, kept)
+
+
+def trace(prefetch):
+    rank = dist.get_rank()
+    model, sharded, buffers, plan = _setup(layers=3, prefetch=prefetch, backward_prefetch=prefetch)
+    apply = fs.schedule(model, plan)
+    batch = tokens(rank)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fs.value_and_grad(lambda p: lm_loss(apply(p, batch, buffers=buffers), batch))(sharded)
+    events = sorted(
+        (e.start_ns(), e.name())
+        for e in prof.profiler.kineto_results.events()
+        if e.name().startswith("funcshard::")
+    )
+    return [name for _, name in events]
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_profiler_shows_the_schedule_and_overlap(world2, prefetch):
+    names = world2.run(trace, prefetch)[0]
+    for g in ("blocks.0", "blocks.1", "blocks.2"):
+        for op in (
+            "all_gather",
+            "wait",
+            "forward",
+            "free",
+            "backward",
+            "reduce_scatter",
+            "wait_reduce_scatter",
+        ):
+            assert f"funcshard::{op} ({g})" in names, (op, g, names)
+    for later, earlier in (("blocks.2", "blocks.1"), ("blocks.1", "blocks.0")):
+        issued = names.index(f"funcshard::reduce_scatter ({later})")
+        next_backward = names.index(f"funcshard::backward ({earlier})")
+        waited = names.index(f"funcshard::wait_reduce_scatter ({later})")
+        # the reduce-scatter of a group is issued when its backward ends, runs during the
+        # backward of the group before it, and is waited for only then
+        assert issued < next_backward < waited, names
