@@ -98,7 +98,7 @@ def _check_value(fn, value, has_aux: bool) -> None:
     if not (isinstance(value, torch.Tensor) and value.numel() == 1):
         got = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         raise TypeError(
-            f"value_and_grad: {getattr(fn, '__name__', 'fn')} must return a scalar tensor"
+            f"value_and_grad: {getattr(fn, '__name__', 'fn')} must return a one-element tensor"
             f"{' (as the first element of (value, aux))' if has_aux else ''}, got {got}."
         )
 

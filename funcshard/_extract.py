@@ -30,8 +30,26 @@ def extract(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch
     first name; the other names are remembered so that :func:`functional_call` (and
     :func:`~funcshard.group`) keep it tied, even after ``module.to("meta")``.
     """
-    _ALIASES[module] = _live_aliases(module)
-    return dict(module.named_parameters()), dict(module.named_buffers())
+    _ALIASES[module] = recorded = _recorded_aliases(module)
+    params = {k: v for k, v in module.named_parameters() if k not in recorded}
+    return params, {k: v for k, v in module.named_buffers() if k not in recorded}
+
+
+def _recorded_aliases(module: nn.Module) -> dict[str, str]:
+    """Live ties, plus earlier recorded ones that only ``to("meta")`` broke (both on meta)."""
+    live = _live_aliases(module)
+    tensors = dict(
+        itertools.chain(
+            module.named_parameters(remove_duplicate=False),
+            module.named_buffers(remove_duplicate=False),
+        )
+    )
+    kept = {
+        a: c
+        for a, c in _ALIASES.get(module, {}).items()
+        if a in tensors and c in tensors and tensors[a].is_meta and tensors[c].is_meta
+    }
+    return {**kept, **live}
 
 
 def _live_aliases(module: nn.Module) -> dict[str, str]:
@@ -51,6 +69,29 @@ def _live_aliases(module: nn.Module) -> dict[str, str]:
 def aliases(module: nn.Module) -> dict[str, str]:
     """``{alias: first name}`` for tied tensors, as recorded by :func:`extract` (or live)."""
     return {**_live_aliases(module), **_ALIASES.get(module, {})}
+
+
+def _fill_ties(alias: dict[str, str], given: Mapping[str, Any]) -> dict[str, Any]:
+    """Values for the names of each tie set that were not given, from the one that was.
+
+    Raises:
+        ValueError: different values given for names of one tie set (torch's message).
+    """
+    sets: dict[str, set[str]] = {}
+    for a, c in alias.items():
+        sets.setdefault(c, {c}).add(a)
+    fill = {}
+    for names in sets.values():
+        values = {id(given[n]): given[n] for n in names if n in given}
+        if len(values) > 1:
+            raise ValueError(
+                f"functional_call got multiple values for keys {sorted(names)}, which are tied. "
+                "Consider using tie_weights=False"
+            )
+        if values:
+            (value,) = values.values()
+            fill.update({n: value for n in names if n not in given})
+    return fill
 
 
 def functional_call(
@@ -74,8 +115,7 @@ def functional_call(
         else list(parameter_and_buffer_dicts)
     )
     if tie_weights:
-        given = {k: v for d in dicts for k, v in d.items()}
-        tied = {a: given[c] for a, c in aliases(module).items() if c in given and a not in given}
+        tied = _fill_ties(aliases(module), {k: v for d in dicts for k, v in d.items()})
         if tied:
             dicts = [*dicts, tied]
     if args is None:

@@ -113,7 +113,7 @@ def by_size(min_params: int) -> Policy:
     are never groups; ``MultiheadAttention`` is neither a group nor looked into (its parameters
     go to the group above it).
     """
-    if not isinstance(min_params, int) or min_params < 0:
+    if isinstance(min_params, bool) or not isinstance(min_params, int) or min_params < 0:
         raise ValueError(f"policy.by_size needs a non-negative int, got {min_params!r}.")
     return _BySize(min_params)
 
@@ -167,7 +167,7 @@ def group(
     ignored_modules, ignored_params = _resolve_ignored(module, ignored, names)
     selected = {module}
     if policy is not None:
-        _select(module, "", policy, ignored_modules, ignored_params, names, selected, set())
+        _select(module, "", policy, ignored_modules, ignored_params, names, selected, {})
     groups: dict[str, list[str]] = {}
     visited = set(ignored_params)
     for fqn, m in module.named_modules():
@@ -202,10 +202,16 @@ def _param_names(module: nn.Module) -> dict[str, str]:
 
 
 def _select(module, fqn, policy, ignored_modules, ignored_params, names, selected, seen) -> int:
-    """FSDP1's ``_recursive_wrap``, recording instead of wrapping. Returns the numel claimed."""
-    if module in ignored_modules or module in seen:
+    """FSDP1's ``_recursive_wrap``, recording instead of wrapping. Returns the numel claimed.
+
+    A module reached again through another parent (a shared module) is not visited twice; it
+    reports the numel it claimed the first time, as FSDP1's second visit would.
+    """
+    if module in ignored_modules:
         return 0
-    seen.add(module)
+    if module in seen:
+        return seen[module]
+    seen[module] = 0
     own = {
         names[f"{fqn}.{n}" if fqn else n]: p
         for n, p in module.named_parameters(remove_duplicate=False)
@@ -228,7 +234,8 @@ def _select(module, fqn, policy, ignored_modules, ignored_params, names, selecte
     )
     if policy(fqn, module, total - claimed):
         selected.add(module)
-        return total
+        claimed = total
+    seen[module] = claimed
     return claimed
 
 
@@ -252,8 +259,9 @@ def _resolve_ignored(module, ignored, names) -> tuple[set[nn.Module], set[str]]:
                 f"{type(module).__name__}; pass objects or fqns from named_parameters() / "
                 "named_modules()."
             )
-    for m in ignored_modules:
+    for m in list(ignored_modules):  # an ignored module's whole subtree is ignored (FSDP1)
         prefix = next(n for n, x in modules_by_name.items() if x is m)
+        ignored_modules.update(m.modules())
         for n, _ in m.named_parameters(remove_duplicate=False):
             ignored_params.add(names[f"{prefix}.{n}" if prefix else n])
     return ignored_modules, ignored_params
