@@ -1,17 +1,18 @@
 """funcshard's collectives: the only place where communication happens.
 
-Four new-style ``autograd.Function``s over the non-mutating c10d functional ops, each with a
-``jvp`` and a ``vmap`` rule, so they compose with plain autograd and with every ``torch.func``
-transform (see ``shared/notes/torch-func-and-collectives.md``):
+New-style ``autograd.Function``s over the c10d collectives, each with a ``jvp`` and a ``vmap``
+rule, so they compose with plain autograd and with every ``torch.func`` transform (see
+``shared/notes/torch-func-and-collectives.md``):
 
-==============  =========================  ==========================
-Function        forward                    backward
-==============  =========================  ==========================
-``AllGather``   all-gather                 ``ReduceScatter``
-``ReduceScatter`` reduce-scatter (scaled)   ``AllGather``
-``Broadcast``   identity (replicated use)  ``AllReduce``
-``AllReduce``   all-reduce (scaled)        ``Broadcast``
-==============  =========================  ==========================
+=================  =============================================  =======================
+Function           forward                                        backward
+=================  =============================================  =======================
+``AllGather``      all-gather of pieces, flattened rank-major     reduce-scatter, then
+                                                                  all-reduce over replicas
+``ReduceScatter``  reduce-scatter (scaled)                        ``AllGather``
+``Broadcast``      identity (the value used on every rank)        ``AllReduce``
+``AllReduce``      all-reduce (scaled)                            ``Broadcast``
+=================  =============================================  =======================
 
 [Note: mean is a choice of inner product, not a scaled backward]
 ``grad_reduce="mean"`` must equal the gradient of the *mean over ranks* of each rank's loss. Scaling
@@ -25,21 +26,27 @@ with the unsharded computation of the rank-mean loss. ``"sum"`` uses scale 1: ex
 [Note: pending tensors]
 Under plain autograd a collective may return its output *pending* (issued, not waited), so that
 communication overlaps with computation: a forward all-gather is waited when its group is first
-used, a backward reduce-scatter when the gradient crosses :class:`Wait` (placed just upstream of
-the collective, so autograd runs later-created backward nodes -- the next group's backward --
-in between). Every Function waits its inputs, and ``_flat`` waits before any plain op reads
-the data, so a pending tensor never escapes. Under ``torch.func`` transforms (and anomaly mode)
-everything is synchronous: functorch would need batching/grad rules for the wait itself.
+used, a backward reduce-scatter when the gradient crosses :class:`Wait` (placed upstream of the
+gather, so autograd runs the next group's backward in between). Every Function waits its
+inputs, and ``_flat`` waits before any plain op reads the data, so a pending tensor never
+escapes. Under ``torch.func`` transforms (and anomaly mode) everything is synchronous: functorch
+would need batching and grad rules for the wait itself.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
+import torch.distributed as dist
 from torch.profiler import record_function
 
 _ops = torch.ops._c10d_functional
+
+# Inputs donated to pending reductions, freed when their output is waited for: c10d's work
+# object would otherwise keep them alive until the next collective. {output storage: input}
+_DONATED: dict[int, torch.Tensor] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +59,7 @@ class Comm:
     reductions by ``1/world``.
     """
 
-    group: str
+    group: dist.ProcessGroup = dataclasses.field(compare=False)
     world: int
     label: str
     dim: int = 0
@@ -64,8 +71,8 @@ class Comm:
     def synchronous(self) -> Comm:
         return dataclasses.replace(self, async_op=False)
 
-    def batched(self, ndim_added: int = 1) -> Comm:
-        return dataclasses.replace(self, dim=self.dim + ndim_added, async_op=False)
+    def batched(self) -> Comm:
+        return dataclasses.replace(self, dim=self.dim + 1, async_op=False)
 
 
 def wait(t: torch.Tensor) -> torch.Tensor:
@@ -75,6 +82,10 @@ def wait(t: torch.Tensor) -> torch.Tensor:
     (old-style) autograd must not enter our graphs. Never call it on functorch-wrapped tensors.
     """
     _ops.wait_tensor(t.detach())
+    if _DONATED:
+        donated = _DONATED.pop(t.untyped_storage().data_ptr(), None)
+        if donated is not None:
+            donated.untyped_storage().resize_(0)
     return t
 
 
@@ -83,93 +94,177 @@ def async_allowed() -> bool:
     return torch._C._functorch.peek_interpreter_stack() is None and not torch.is_anomaly_enabled()
 
 
-def _reduce_input(x: torch.Tensor, comm: Comm) -> torch.Tensor:
-    x = x.to(comm.reduce_dtype or x.dtype)
-    # Pre-divide: the sum of already-averaged terms cannot overflow in low precision.
-    return x / comm.world if comm.mean and comm.world > 1 else x
+def _reduce_input(x: torch.Tensor, comm: Comm, donated: bool) -> tuple[torch.Tensor, bool]:
+    """``x`` in the reduce dtype, pre-divided for ``mean`` (in place if donated or a fresh copy:
+    a sum of already-averaged terms cannot overflow in low precision). Also: whether the result
+    is ours to free."""
+    red = comm.reduce_dtype or x.dtype
+    if red != x.dtype:
+        x, donated = x.to(red), True
+    if comm.mean and comm.world > 1:
+        x, donated = (x.div_(comm.world), True) if donated else (x / comm.world, True)
+    return x.contiguous(), donated
+
+
+def _pending_or_waited(y: torch.Tensor, comm: Comm, donated: torch.Tensor | None):
+    if comm.async_op:
+        if donated is not None:
+            _DONATED[y.untyped_storage().data_ptr()] = donated
+        return y
+    return wait(y)
+
+
+def _flat_pieces(pieces, dim: int, dtype) -> torch.Tensor:
+    return torch.cat([p.flatten(dim).to(dtype) for p in pieces], dim=dim)
+
+
+def _split_pieces(flat: torch.Tensor, shapes, dim: int) -> list[torch.Tensor]:
+    numels = [math.prod(s[dim:]) for s in shapes]
+    return [f.view(s) for f, s in zip(flat.split(numels, dim=dim), shapes, strict=True)]
 
 
 def _all_gather(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """Gather ``x`` along ``comm.dim`` (synchronously unless ``dim == 0`` and async)."""
     x = wait(x).to(comm.gather_dtype or x.dtype)
     with record_function(f"funcshard::all_gather ({comm.label})"):
-        y = _ops.all_gather_into_tensor(x.contiguous(), comm.world, comm.group)
+        y = _ops.all_gather_into_tensor(x.contiguous(), comm.world, comm.group.group_name)
     if comm.dim == 0:
-        return y if comm.async_op else wait(y)
+        return _pending_or_waited(y, comm, None)
     y = wait(y).view(comm.world, *x.shape).movedim(0, comm.dim)
     return y.reshape(*x.shape[: comm.dim], -1, *x.shape[comm.dim + 1 :])
 
 
-def _reduce_scatter(x: torch.Tensor, comm: Comm, out_dtype: torch.dtype) -> torch.Tensor:
-    x = _reduce_input(wait(x), comm)
+def _reduce_scatter(x, comm: Comm, out_dtype: torch.dtype, donated: bool) -> torch.Tensor:
+    x, ours = _reduce_input(wait(x), comm, donated)
     d, w = comm.dim, comm.world
-    if (
-        d != 0
-    ):  # [A, W*c, B] -> [W*A, c, B]: rank r's chunk is contiguous and comes back as [A, c, B]
-        x = x.unflatten(d, (w, x.shape[d] // w)).movedim(d, 0).flatten(0, 1)
+    if d != 0:  # [A, W*c, B] -> [W*A, c, B]: rank r's chunk is contiguous, returns as [A, c, B]
+        x = x.unflatten(d, (w, x.shape[d] // w)).movedim(d, 0).flatten(0, 1).contiguous()
     with record_function(f"funcshard::reduce_scatter ({comm.label})"):
-        y = _ops.reduce_scatter_tensor(x.contiguous(), "sum", w, comm.group)
+        y = _ops.reduce_scatter_tensor(x, "sum", w, comm.group.group_name)
     if d == 0 and comm.async_op and y.dtype == out_dtype:
-        return y
+        if ours and copies_reduce_scatter_input(comm.group, x.device.type):
+            x.untyped_storage().resize_(0)  # see [Note: gloo copies reduce-scatter inputs]
+            ours = False
+        return _pending_or_waited(y, comm, x if ours else None)
     return wait(y).to(out_dtype)
+
+
+def copies_reduce_scatter_input(group: dist.ProcessGroup, device_type: str) -> bool:
+    """Whether ``group``'s reduce-scatter of ``device_type`` tensors copies its input when issued.
+
+    [Note: gloo copies reduce-scatter inputs]
+    ProcessGroupGloo implements reduce-scatter as a clone of the input (made when the
+    collective is issued, on the calling thread) all-reduced in the background. An input we
+    own is therefore dead once issued, and freeing it at once keeps a reduce-scatter that
+    overlaps the next group's backward as lean as FSDP2's, which waits for it right away.
+    ``tests/test_collectives.py`` checks this behaviour of gloo, so that a torch upgrade that
+    changes it fails there and not in someone's gradients.
+    """
+    try:  # the backend serving this device type (a group may have one per device type)
+        backend = group._get_backend(torch.device(device_type))
+    except RuntimeError:
+        return False
+    return isinstance(backend, dist.ProcessGroupGloo)
 
 
 def _all_reduce(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     x = wait(x)
-    y = _reduce_input(x, comm)
+    y, _ = _reduce_input(x, comm, False)
     with record_function(f"funcshard::all_reduce ({comm.label})"):
-        y = _ops.all_reduce(y.contiguous(), "sum", comm.group)
+        y = _ops.all_reduce(y, "sum", comm.group.group_name)
     if comm.async_op and y.dtype == x.dtype:
         return y
     return wait(y).to(x.dtype)
 
 
-def _moved(x: torch.Tensor, bdim: int) -> torch.Tensor:
-    return x.movedim(bdim, 0)
+def _moved(x: torch.Tensor, bdim: int | None, size: int) -> torch.Tensor:
+    return x.expand(size, *x.shape) if bdim is None else x.movedim(bdim, 0)
 
 
-def start_all_gather(x: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """Issue the all-gather of ``x`` outside autograd; the result, pending if ``comm.async_op``,
-    is handed to :class:`AllGather` later (see [Note: issue early, record late] in ``_flat``)."""
+@dataclasses.dataclass
+class Started:
+    """An all-gather issued by :func:`start_all_gather`: its output and c10d work."""
+
+    output: torch.Tensor
+    work: dist.Work
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.output
+
+
+def start_all_gather(comm: Comm, pieces) -> Started:
+    """Issue the all-gather of ``pieces`` outside autograd, copying them straight into this
+    rank's slot of the output (no separate input buffer, as FSDP2's copy-in). The result is
+    handed to :class:`AllGather` later (see [Note: issue early, record late] in ``_flat``).
+    Plain autograd only (an in-place collective)."""
+    numels = [p.numel() for p in pieces]
+    size = sum(numels)
+    dtype = comm.gather_dtype or pieces[0].dtype
+    output = torch.empty(comm.world * size, dtype=dtype, device=pieces[0].device)
+    slot = output.narrow(0, dist.get_rank(comm.group) * size, size)
     with torch.no_grad():
-        return _all_gather(x.detach(), comm)
+        torch._foreach_copy_(list(slot.split(numels)), [p.detach().reshape(-1) for p in pieces])
+    with record_function(f"funcshard::all_gather ({comm.label})"):
+        work = dist.all_gather_into_tensor(output, slot, group=comm.group, async_op=True)
+    return Started(output, work)
 
 
 class AllGather(torch.autograd.Function):
-    """Gather equal-sized pieces along ``comm.dim``; backward: :class:`ReduceScatter`.
+    """All-gather pieces: the output is ``[W * S]`` (``S``: the pieces' total numel), each rank's
+    pieces flattened and concatenated, ranks in order. Dims before ``comm.dim`` are batch dims.
 
-    ``gathered``: the result of :func:`start_all_gather` for ``x``, if already issued.
+    Backward: reduce-scatter, then an all-reduce over each of ``replicas`` (the replicated mesh
+    dims of HSDP), then split into the pieces' gradients. ``gathered``: the output of
+    :func:`start_all_gather` for these pieces, if already issued (and waited).
     """
 
     @staticmethod
-    def forward(x: torch.Tensor, comm: Comm, gathered: torch.Tensor | None = None):
-        return gathered if gathered is not None else _all_gather(x, comm)
+    def forward(comm: Comm, replicas, gathered, *pieces):
+        if gathered is not None:
+            return gathered
+        return _all_gather(_flat_pieces(pieces, comm.dim, pieces[0].dtype), comm)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.comm, ctx.in_dtype = inputs[1], inputs[0].dtype
+        comm, replicas, _, *pieces = inputs
+        ctx.comm, ctx.replicas = comm, replicas
+        ctx.shapes = [p.shape for p in pieces]
+        ctx.dtype, ctx.device = pieces[0].dtype, pieces[0].device
+        # the gradient of the output is a fresh buffer that we may scale in place: autograd
+        # builds it by concatenating the pieces' gradients (more than one piece)
+        ctx.fresh = len(pieces) > 1
 
     @staticmethod
     def backward(ctx, g):
-        return ReduceScatter.apply(g, ctx.comm, ctx.in_dtype), None, None
+        donate = ctx.fresh and not torch.is_grad_enabled()  # not under create_graph
+        flat = ReduceScatter.apply(g, ctx.comm, ctx.dtype, donate)
+        for r in ctx.replicas:
+            flat = AllReduce.apply(flat, r)
+        return (None, None, None, *_split_pieces(flat, ctx.shapes, ctx.comm.dim))
 
     @staticmethod
-    def jvp(ctx, t, _, __):
-        return AllGather.apply(t, ctx.comm.synchronous())
+    def jvp(ctx, _, __, ___, *tangents):
+        tangents = [
+            torch.zeros(s, dtype=ctx.dtype, device=ctx.device) if t is None else t
+            for t, s in zip(tangents, ctx.shapes, strict=True)
+        ]
+        return AllGather.apply(ctx.comm.synchronous(), ctx.replicas, None, *tangents)
 
     @staticmethod
-    def vmap(info, in_dims, x, comm, gathered=None):
-        if in_dims[0] is None:
-            return AllGather.apply(x, comm.synchronous()), None
-        return AllGather.apply(_moved(x, in_dims[0]), comm.batched()), 0
+    def vmap(info, in_dims, comm, replicas, gathered, *pieces):
+        moved = [_moved(p, d, info.batch_size) for p, d in zip(pieces, in_dims[3:], strict=True)]
+        replicas = tuple(r.synchronous() for r in replicas)
+        return AllGather.apply(comm.batched(), replicas, None, *moved), 0
 
 
 class ReduceScatter(torch.autograd.Function):
     """Sum (``comm.mean``: average) over ranks, keep this rank's chunk of ``comm.dim``, return it
-    in ``out_dtype``; backward: :class:`AllGather`."""
+    in ``out_dtype``; backward: :class:`AllGather`. ``donated``: ``x`` may be scaled in place."""
 
     @staticmethod
-    def forward(x: torch.Tensor, comm: Comm, out_dtype: torch.dtype) -> torch.Tensor:
-        return _reduce_scatter(x, comm, out_dtype)
+    def forward(x: torch.Tensor, comm: Comm, out_dtype: torch.dtype, donated: bool = False):
+        return _reduce_scatter(x, comm, out_dtype, donated)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -178,17 +273,17 @@ class ReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         comm = dataclasses.replace(ctx.comm, gather_dtype=ctx.in_dtype)
-        return AllGather.apply(g, comm), None, None
+        return AllGather.apply(comm, (), None, g), None, None, None
 
     @staticmethod
-    def jvp(ctx, t, _, __):
+    def jvp(ctx, t, _, __, ___):
         return ReduceScatter.apply(t, ctx.comm.synchronous(), t.dtype)
 
     @staticmethod
-    def vmap(info, in_dims, x, comm, out_dtype):
+    def vmap(info, in_dims, x, comm, out_dtype, donated=False):
         if in_dims[0] is None:
             return ReduceScatter.apply(x, comm.synchronous(), out_dtype), None
-        return ReduceScatter.apply(_moved(x, in_dims[0]), comm.batched(), out_dtype), 0
+        return ReduceScatter.apply(x.movedim(in_dims[0], 0), comm.batched(), out_dtype), 0
 
 
 class Broadcast(torch.autograd.Function):

@@ -8,15 +8,16 @@ All of this is plain differentiable tensor code around the Functions of ``_colle
 autograd and ``torch.func`` derive the reduce-scatter side (and its batching) themselves.
 
 [Note: order of mesh dims]
-A bucket first marks its replicated mesh dims (``Broadcast``: identity forward, all-reduce
-backward) on the *local* flat buffer, then gathers sharded mesh dims from the last to the first
-(DTensor splits mesh dim 0 first). Both orders are the same linear map, but this one makes HSDP's
-backward reduce-scatter the full gradient first and all-reduce only the small shard, as FSDP2.
+A bucket gathers its sharded mesh dims from the last to the first (DTensor splits mesh dim 0
+first). Its replicated mesh dims (HSDP's replicate dim) cost nothing in forward; in backward,
+the gradient is reduce-scattered first and only the small reduced shard is all-reduced over
+them, as FSDP2 does (``AllGather``'s ``replicas``; both orders are the same linear map).
 
 [Note: flat dtype]
-The flat buffer is in the all-gather dtype (``param_dtype``) when gradients are reduced in that
-same dtype, otherwise in the shard's dtype (``AllGather`` then casts). Either way the backward
-reduce-scatter's output dtype equals the buffer's, so it can stay pending until ``Wait``.
+Shards are cast to the all-gather dtype (``param_dtype``) before gathering when gradients are
+reduced in that same dtype, otherwise kept in their own dtype (``AllGather`` then casts). Either
+way the backward reduce-scatter's output dtype equals the pieces', so it can stay pending
+until ``Wait``.
 """
 
 from __future__ import annotations
@@ -87,13 +88,12 @@ class Options:
 
 @dataclasses.dataclass
 class _Level:
-    """A gather of one mesh dim: copied in (and, under plain autograd, issued), not finished."""
+    """A gather of one mesh dim: padded (and, under plain autograd, issued), not finished."""
 
-    flat: torch.Tensor  # the copied-in input, connected to the shards by autograd
+    pieces: list[torch.Tensor]  # padded local pieces, connected to the shards by autograd
     comm: C.Comm
-    broadcasts: list[C.Comm]  # replicated mesh dims, marked on ``flat`` when finishing
-    pre: torch.Tensor | None  # the all-gather, issued without autograd (pending)
-    shapes: list[tuple[int, ...]]  # padded chunk shapes
+    replicas: tuple[C.Comm, ...]  # replicated mesh dims (HSDP), reduced in the backward
+    started: C.Started | None  # the all-gather, issued without autograd
     dims: list[int]
     sizes: list[int]  # sizes along dims after the gather
 
@@ -122,7 +122,7 @@ def _comm(layout: Layout, mesh_dim: int, opts: Options, dtype, async_op: bool) -
     mesh = layout.spec.mesh
     gather = opts.param_dtype or dtype
     return C.Comm(
-        group=mesh.get_group(mesh_dim).group_name,
+        group=mesh.get_group(mesh_dim),
         world=mesh.size(mesh_dim),
         label=opts.label,
         gather_dtype=gather,
@@ -180,8 +180,8 @@ def _split(flat: torch.Tensor, shapes, dims, sizes) -> list[torch.Tensor]:
     return out
 
 
-def _start_level(xs, layouts, mesh_dim: int, comm: C.Comm, broadcasts) -> _Level:
-    """Pad and copy in; under plain autograd also issue the all-gather of one mesh dim.
+def _start_level(xs, layouts, mesh_dim: int, comm: C.Comm, replicas=()) -> _Level:
+    """Pad; under plain autograd also issue the all-gather of one mesh dim.
 
     [Note: issue early, record late]
     Autograd runs ready backward nodes newest first. If the all-gather's node were created
@@ -195,43 +195,48 @@ def _start_level(xs, layouts, mesh_dim: int, comm: C.Comm, broadcasts) -> _Level
     dims = [lay.dim(mesh_dim) for lay in layouts]
     sizes = [lay.levels[mesh_dim][d] for lay, d in zip(layouts, dims, strict=True)]
     padded = [_pad(x, d, -(-n // comm.world)) for x, d, n in zip(xs, dims, sizes, strict=True)]
-    flat = torch.cat([x.reshape(-1) for x in padded])
-    pre = C.start_all_gather(flat, comm) if comm.async_op else None
-    return _Level(flat, comm, broadcasts, pre, [tuple(p.shape) for p in padded], dims, sizes)
+    started = C.start_all_gather(comm, padded) if comm.async_op else None
+    return _Level(padded, comm, tuple(replicas), started, dims, sizes)
 
 
-def _finish_level(level: _Level) -> list[torch.Tensor]:
-    flat = level.flat
-    for b in level.broadcasts:
-        flat = C.Broadcast.apply(flat, b)
-    if level.pre is not None:
-        C.wait(level.pre)  # before it becomes an autograd output: waiting counts as a write
-    buffer = C.AllGather.apply(flat, level.comm, level.pre)
+def _finish_level(level: _Level, into: Sequence[torch.Tensor] | None = None):
+    """Wait, record the autograd node and copy out; with ``into``, copy each result into those
+    tensors instead (refilling freed storage: one parameter-sized temporary at a time)."""
+    gathered = level.started.wait() if level.started is not None else None
+    buffer = C.AllGather.apply(level.comm, level.replicas, gathered, *level.pieces)
     rows = buffer.view(level.comm.world, -1)
+    shapes = [tuple(p.shape) for p in level.pieces]
     out = []
     for r, shape, d, n in zip(
-        rows.split([math.prod(s) for s in level.shapes], dim=1),
-        level.shapes,
+        rows.split([math.prod(s) for s in shapes], dim=1),
+        shapes,
         level.dims,
         level.sizes,
         strict=True,
     ):
         full = _from_rank_major(r, shape, d)
-        out.append(full if full.shape[d] == n else full.narrow(d, 0, n))
-    if level.pre is not None:
-        _release([buffer, level.flat], keep=out)
+        full = full if full.shape[d] == n else full.narrow(d, 0, n)
+        if into is not None:
+            target = into[len(out)]
+            with torch.autograd._unsafe_preserve_version_counter(target):
+                target.detach().copy_(full)
+            full = target
+        out.append(full)
+    if gathered is not None:
+        _release([buffer], keep=out)
     return out
 
 
 def _release(tensors: Sequence[torch.Tensor], keep: Sequence[torch.Tensor]) -> None:
-    """Free the storage of a finished collective's input and output now.
+    """Free the storage of a finished all-gather's output now.
 
     [Note: releasing collective buffers]
-    After the wait, c10d's work object still references the collective's input and output
-    (gloo keeps the last work until the next one), so dropping our references frees nothing
-    until the next collective -- one group too late for the prefetch window. Both are ours,
-    read by nobody once copied out (autograd saves neither), so their storage is emptied here,
-    unless a result is a view of them (single-tensor buckets).
+    After the wait, c10d's work object still references the collective's buffers (gloo keeps
+    the last work until the next one), so dropping our references frees nothing until the next
+    collective -- one group too late for the prefetch window. The output is ours, read by
+    nobody once copied out (autograd saves nothing of it), so its storage is emptied here,
+    unless a result is a view of it (single-tensor buckets). (Reduction inputs we own are freed
+    the same way when waited: see ``_collectives.wait``.)
     """
     kept = {t.untyped_storage().data_ptr() for t in keep}
     for t in tensors:
@@ -282,12 +287,12 @@ def issue(
         sharded, replicated = _mesh_dims(lays[0])
         first = sharded[-1] if sharded else replicated[0]  # see [Note: order of mesh dims]
         comm = _comm(lays[0], first, opts, out_dtypes[idx[0]], async_op)
-        broadcasts = [_comm(lays[0], r, opts, xs[0].dtype, async_op) for r in replicated]
+        replicas = [_comm(lays[0], r, opts, xs[0].dtype, async_op) for r in replicated]
         if sharded:
-            state: _Level | list[torch.Tensor] = _start_level(xs, lays, first, comm, broadcasts)
+            state: _Level | list[torch.Tensor] = _start_level(xs, lays, first, comm, replicas)
         else:
             flat = torch.cat([x.reshape(-1) for x in xs])
-            for b in broadcasts:
+            for b in replicas:
                 flat = C.Broadcast.apply(flat, b)
             shapes = [tuple(x.shape) for x in xs]
             state = [
@@ -297,16 +302,28 @@ def issue(
     return Inflight(started, len(tensors), opts)
 
 
-def finish(inflight: Inflight) -> list[torch.Tensor]:
-    """Wait for :func:`issue`'s gathers and return the full tensors, in the order given."""
+def finish(inflight: Inflight, into: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Wait for :func:`issue`'s gathers and return the full tensors, in the order given.
+
+    ``into``: tensors of the results' shapes and dtypes to copy the results into (under
+    ``no_grad``, keeping their version counters: a re-gather refilling freed storage).
+    """
     out: list[torch.Tensor | None] = [None] * inflight.count
     for b in inflight.buckets:
+        targets = None if into is None else [into[i] for i in b.index]
         fulls = b.state
         if isinstance(fulls, _Level):
-            fulls = _finish_level(fulls)
-            for m in reversed(_mesh_dims(b.layouts[0])[0][:-1]):  # more sharded dims: synchronous
+            more = _mesh_dims(b.layouts[0])[0][:-1]  # further sharded mesh dims: synchronous
+            fulls = _finish_level(fulls, None if more else targets)
+            for m in reversed(more):
                 comm = _comm(b.layouts[0], m, inflight.opts, fulls[0].dtype, False)
-                fulls = _finish_level(_start_level(fulls, b.layouts, m, comm, []))
+                level = _start_level(fulls, b.layouts, m, comm)
+                fulls = _finish_level(level, targets if m == more[0] else None)
+        elif targets is not None:
+            for t, f in zip(targets, fulls, strict=True):
+                with torch.autograd._unsafe_preserve_version_counter(t):
+                    t.detach().copy_(f)
+            fulls = targets
         for i, full in zip(b.index, fulls, strict=True):
             out[i] = full.to(b.out_dtype)
     return out  # type: ignore[return-value]

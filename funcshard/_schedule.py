@@ -174,14 +174,11 @@ class _Group:
                     s = t.untyped_storage()
                     seen.setdefault(s.data_ptr(), (s, s.nbytes()))
                 self.storages = list(seen.values())
-            else:
+            else:  # refill the freed storage in place
                 with torch.no_grad():
-                    fresh = _flat.finish(inflight)
                     for s, nbytes in self.storages:
                         s.resize_(nbytes)
-                    for old, new in zip(self.raw, fresh, strict=True):
-                        with torch.autograd._unsafe_preserve_version_counter(old):
-                            old.detach().copy_(new)
+                    _flat.finish(inflight, into=self.raw)
         self.resident = True
 
     def free(self) -> None:

@@ -1,4 +1,5 @@
 import pytest
+
 from _world import World
 
 _worlds: dict[int, World] = {}

@@ -14,12 +14,13 @@ import re
 import pytest
 import torch
 import torch.func
-from _models import TinyLM
 from hypothesis import given, settings
 from test_grouping import trees
 from torch import nn
 
 import funcshard as fs
+
+from _models import TinyLM
 
 
 class TiedBuffers(nn.Module):

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _models import lm_loss, make, tokens
-from _world import mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import funcshard as fs
+
+from _models import lm_loss, make, tokens
+from _world import mesh
 
 
 def fsdp2_vs_funcshard(mesh_shape, steps, param_dtype, batchnorm=True):

@@ -7,14 +7,15 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _comm import Collectives
-from _models import lm_loss, make, reference_step, shard_of, tokens
-from _world import mesh
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.func import functional_call, grad, jacfwd, jacrev, jvp, vjp, vmap
 
 import funcshard as fs
+
+from _comm import Collectives
+from _models import lm_loss, make, reference_step, shard_of, tokens
+from _world import mesh
 
 
 def _err(sharded_tree, full_tree):

@@ -14,8 +14,6 @@ from collections import Counter
 
 import pytest
 import torch
-from _models import Block, TinyLM
-from _world import mesh
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -29,6 +27,9 @@ from torch.distributed.fsdp.wrap import (
 )
 
 import funcshard as fs
+
+from _models import Block, TinyLM
+from _world import mesh
 
 # ---------------------------------------------------------------------------------------------
 # The reference: FSDP1's auto wrap (recording, not wrapping) + the seed's assignment.

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _models import Block, TinyLM
 from torch import nn
 
 import funcshard as fs
+
+from _models import Block, TinyLM
 
 
 def _plan(**kw):

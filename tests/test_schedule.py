@@ -8,15 +8,17 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from _memory import peak_bytes
-from _models import Block, Wide, WideBlock, lm_loss, make, reference_step, shard_of, tokens
-from _world import mesh
 from torch import nn
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.func import grad, vmap
 from torch.profiler import ProfilerActivity, profile
 
 import funcshard as fs
+from funcshard._profiling import peak_bytes
+
+from _comm import counts
+from _models import Block, Wide, WideBlock, lm_loss, make, reference_step, shard_of, tokens
+from _world import mesh
 
 
 def _setup(mesh_shape=None, layers=2, batchnorm=True, **plan_kw):
@@ -35,10 +37,6 @@ def _err(grads, ref):
         for k, g in grads.items()
         if g.to_local().numel()
     )
-
-
-def _counts(comm):
-    return {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items() if v}
 
 
 def parity(mesh_shape, prefetch, reshard):
@@ -70,7 +68,7 @@ def parity(mesh_shape, prefetch, reshard):
             _err(grads, {k: v.full_tensor() for k, v in grads_u.items()}),
             abs(loss.item() - loss_u.item()),
         ),
-        "counts": _counts(comm),
+        "counts": counts(comm),
         "groups": len(plan.groups),
     }
 
@@ -80,8 +78,8 @@ def _check(results, reshard, hsdp=False):
         assert r["ref"] < 1e-5 and r["unscheduled"] < 1e-6, r
         g = r["groups"]
         expected = {
-            "all_gather_into_tensor": 2 * g - 1 if reshard else g,
-            "reduce_scatter_tensor": g,
+            "all_gather": 2 * g - 1 if reshard else g,
+            "reduce_scatter": g,
         }
         if hsdp:
             expected["all_reduce"] = g
@@ -210,15 +208,15 @@ def accumulate(micro):
     rank, world = dist.get_rank(), dist.get_world_size()
     model, sharded, buffers, plan = _setup()
     apply = fs.schedule(model, plan)
-    acc, counts = None, {}
+    acc, during = None, {}
     for step in range(micro):  # one CommDebugMode per step: its module tracker spans one pass
         batch = tokens(rank, step=step)
         with CommDebugMode() as comm:
             _, full = fs.value_and_grad(
                 lambda p, b=batch: lm_loss(apply(p, b, buffers=buffers), b), sync_grads=False
             )(sharded)
-        for k, v in _counts(comm).items():
-            counts[k] = counts.get(k, 0) + v
+        for k, v in counts(comm).items():
+            during[k] = during.get(k, 0) + v
         acc = full if acc is None else fs.tree_map(torch.add, acc, full)
     with CommDebugMode() as comm:
         grads = fs.reduce(fs.tree_map(lambda g: g / micro, acc), like=sharded)
@@ -228,14 +226,14 @@ def accumulate(micro):
         ref = g if ref is None else {k: ref[k] + g[k] for k in g}
     ref = {k: v / micro for k, v in ref.items()}
     full_shapes = all(acc[k].shape == sharded[k].shape for k in acc)
-    return _err(grads, ref), counts, _counts(comm), full_shapes
+    return _err(grads, ref), during, counts(comm), full_shapes
 
 
 def test_accumulation_without_communication(world2):
     for err, during, final, full_shapes in world2.run(accumulate, 3):
         assert err < 1e-5 and full_shapes
-        assert "reduce_scatter_tensor" not in during
-        assert final == {"reduce_scatter_tensor": 1}
+        assert "reduce_scatter" not in during
+        assert final == {"reduce_scatter": 1}
 
 
 def two_forwards():

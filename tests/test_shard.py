@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _world import mesh
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 import funcshard as fs
+
+from _world import mesh
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _comm import Collectives
-from _models import lm_loss, make, reference_step, shard_of, tokens
-from _world import mesh
 from torch.distributed.tensor import DTensor, Shard
 
 import funcshard as fs
+
+from _comm import Collectives
+from _models import lm_loss, make, reference_step, shard_of, tokens
+from _world import mesh
 
 _c10d = torch.ops._c10d_functional
 
@@ -116,8 +117,8 @@ def test_mixed_precision_wire_dtypes(world2, reduce_dtype):
     sent, grad_dtypes, err = world2.run(mixed_precision, reduce_dtype)[0]
     assert sent == sorted(
         {
-            ("all_gather_into_tensor", torch.bfloat16),
-            ("reduce_scatter_tensor", reduce_dtype or torch.bfloat16),
+            ("all_gather", torch.bfloat16),
+            ("reduce_scatter", reduce_dtype or torch.bfloat16),
         }
     )
     assert grad_dtypes == {torch.float32}

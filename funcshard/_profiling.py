@@ -1,4 +1,8 @@
-"""Peak memory of a call, from the allocator's own events (torch.profiler, profile_memory)."""
+"""Peak memory of a call, from the allocator's own events (torch.profiler, profile_memory).
+
+Used by the tests and the benchmarks, for funcshard and FSDP2 alike: ``MemTracker`` cannot
+follow ``functional_call`` with non-leaf parameters (see ``shared/notes``).
+"""
 
 from __future__ import annotations
 
