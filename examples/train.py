@@ -1,9 +1,11 @@
 """The main job: a small causal language model trained with funcshard on 2 CPU ranks.
 
 Run with ``make train`` (``torchrun --standalone --nproc-per-node 2 examples/train.py``).
-Parameters are sharded across the ranks (ZeRO-3); each step all-gathers them, computes the
-loss on the rank's own batch, reduce-scatters the gradients (averaged over ranks) and applies
-AdamW to the shards with ``torch.optim``'s functional kernel.
+Parameters are sharded across the ranks (ZeRO-3). Each step follows an explicit plan: one
+transformer block's parameters gathered at a time (the next one prefetched), freed after its
+forward and gathered again for its backward, its gradients reduce-scattered (averaged over
+ranks) as soon as its backward ends. AdamW then updates the shards with ``torch.optim``'s
+functional kernel.
 """
 
 from __future__ import annotations
@@ -79,10 +81,13 @@ def main() -> None:
     model = LM(vocab, args.width, 4, args.layers, length)
     params, buffers = fs.extract(model)
     sharded = fs.shard(params, mesh)
+    example = batch(0, rank, 8, length, vocab)
+    plan = fs.plan(model, fs.policy.by_type(Block), example_args=(example,))
     model.to("meta")  # the module is now only a recipe; its weights live in `sharded`
+    apply = fs.schedule(model, plan)
 
     def loss_fn(p, tokens):
-        logits = fs.functional_call(model, (fs.unshard(p), buffers), (tokens,))
+        logits = apply(p, tokens, buffers=buffers)
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
 
     keys = list(sharded)
