@@ -26,11 +26,11 @@ with the unsharded computation of the rank-mean loss. ``"sum"`` uses scale 1: ex
 [Note: pending tensors]
 Under plain autograd a collective may return its output *pending* (issued, not waited), so that
 communication overlaps with computation: a forward all-gather is waited when its group is first
-used, a backward reduce-scatter when the gradient crosses :class:`Wait` (placed upstream of the
-gather, so autograd runs the next group's backward in between). Every Function waits its
-inputs, and ``_flat`` waits before any plain op reads the data, so a pending tensor never
-escapes. Under ``torch.func`` transforms (and anomaly mode) everything is synchronous: functorch
-would need batching and grad rules for the wait itself.
+used, a backward reduce-scatter when the gradient crosses a wait node (``Notify`` with
+``waiting``, placed upstream of the gather, so autograd runs the next group's backward in
+between). Every Function waits its inputs, and ``_flat`` waits before any plain op reads the
+data, so a pending tensor never escapes. Under ``torch.func`` transforms (and anomaly mode)
+everything is synchronous: functorch would need batching and grad rules for the wait itself.
 """
 
 from __future__ import annotations
@@ -334,26 +334,35 @@ class AllReduce(torch.autograd.Function):
         return AllReduce.apply(x, comm.synchronous()), in_dims[0]
 
 
-class Wait(torch.autograd.Function):
-    """Identity on tensors whose backward waits for their (possibly pending) gradients.
-
-    See [Note: pending tensors]. Only used under plain autograd; ``label`` names the wait in
-    profiler traces.
-    """
+class Notify(torch.autograd.Function):
+    """Identity on tensors; its backward hands their gradients to ``callback`` and returns what
+    the callback returns."""
 
     @staticmethod
-    def forward(label: str, *xs: torch.Tensor):
+    def forward(callback, *xs):
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.label = inputs[0]
+        ctx.callback = inputs[0]
 
     @staticmethod
     def backward(ctx, *grads):
-        with record_function(ctx.label):
-            return (None, *(g if g is None else wait(g) for g in grads))
+        return (None, *ctx.callback(grads))
 
     @staticmethod
     def jvp(ctx, _, *tangents):
         return tuple(t.view_as(t) for t in tangents)
+
+
+def waiting(label: str):
+    """A :class:`Notify` callback that waits for the (possibly pending) gradients.
+
+    See [Note: pending tensors]; ``label`` names the wait in profiler traces.
+    """
+
+    def wait_all(grads):
+        with record_function(label):
+            return tuple(g if g is None else wait(g) for g in grads)
+
+    return wait_all

@@ -17,7 +17,7 @@ them, as FSDP2 does (``AllGather``'s ``replicas``; both orders are the same line
 Shards are cast to the all-gather dtype (``param_dtype``) before gathering when gradients are
 reduced in that same dtype, otherwise kept in their own dtype (``AllGather`` then casts). Either
 way the backward reduce-scatter's output dtype equals the pieces', so it can stay pending
-until ``Wait``.
+until the wait node.
 """
 
 from __future__ import annotations
@@ -252,19 +252,20 @@ def _flat_dtype(opts: Options, dtype: torch.dtype) -> torch.dtype:
 
 
 def arm(tensors: Sequence[torch.Tensor], opts: Options) -> list[torch.Tensor]:
-    """Cast shards to their copy-in dtype and, under plain autograd, put a :class:`Wait` on
-    them: the node where the backward reduce-scatter of these shards is waited for.
+    """Cast shards to their copy-in dtype and, under plain autograd, put a wait node on them
+    (``Notify`` with ``waiting``): where the backward reduce-scatter of these shards is waited.
 
     Calling it before the gather is issued (the scheduler arms the next group when the
     current one starts) places that wait after the current group's backward, whatever the
-    prefetch: see [Note: pending tensors] in ``_collectives``. Nothing between the ``Wait`` and
+    prefetch: see [Note: pending tensors] in ``_collectives``. Nothing between that node and
     the all-gather reads the gradient (only pads, concatenations and views), which is why the
     cast comes first.
     """
     cast = [x.to(_flat_dtype(opts, x.dtype)) for x in tensors]
     if not C.async_allowed() or not torch.is_grad_enabled():
         return cast
-    return list(C.Wait.apply(f"funcshard::wait_reduce_scatter ({opts.label})", *cast))
+    label = f"funcshard::wait_reduce_scatter ({opts.label})"
+    return list(C.Notify.apply(C.waiting(label), *cast))
 
 
 def issue(

@@ -41,7 +41,7 @@ from torch.autograd.profiler import record_function
 from torch.distributed.tensor import DTensor
 
 from . import _flat, _sink
-from ._collectives import async_allowed
+from ._collectives import Notify, async_allowed
 from ._deferred import Deferred
 from ._extract import functional_call
 from ._plan import Plan, Step
@@ -168,7 +168,7 @@ class _Group:
         with record_function(f"funcshard::wait ({self.name})"):
             if self.raw is None:
                 self.raw = _flat.finish(inflight)
-                self.fulls = list(_sink.Notify.apply(notify, *self.raw)) if notify else self.raw
+                self.fulls = list(Notify.apply(notify, *self.raw)) if notify else self.raw
                 seen = {}
                 for t in self.raw if freeable else ():
                     s = t.untyped_storage()

@@ -1,5 +1,5 @@
 """Without gradient sync: where the gathers of a ``value_and_grad(sync_grads=False)`` call are
-recorded; and ``Notify``, the scheduler's "this group's backward is done" node.
+recorded.
 
 [Note: gradient accumulation without communication]
 ``value_and_grad(fn, sync_grads=False)`` must return each rank's *unreduced* full gradients, so
@@ -51,24 +51,3 @@ def collecting() -> Iterator[GradSink]:
 
 def current() -> GradSink | None:
     return _SINK.get()
-
-
-class Notify(torch.autograd.Function):
-    """Identity on tensors; its backward hands their gradients to ``callback`` and returns what
-    the callback returns (``None`` entries stop the gradient there)."""
-
-    @staticmethod
-    def forward(callback, *xs):
-        return tuple(x.view_as(x) for x in xs)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.callback = inputs[0]
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return (None, *ctx.callback(grads))
-
-    @staticmethod
-    def jvp(ctx, _, *tangents):
-        return tuple(t.view_as(t) for t in tangents)

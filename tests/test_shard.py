@@ -12,6 +12,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import funcshard as fs
 
+from _checks import raises
 from _world import mesh
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
@@ -116,46 +117,37 @@ def test_hsdp_default_placements(world4):
     assert all(world4.run(hsdp_default))
 
 
-def _raises(fn, exc, *needles):
-    try:
-        fn()
-    except exc as e:
-        missing = [n for n in needles if n not in str(e)]
-        return f"message lacks {missing}: {e}" if missing else None
-    return f"no {exc.__name__} raised"
-
-
 def errors():
     m = mesh(dist.get_world_size())
     return [
-        _raises(
+        raises(
             lambda: fs.shard({"a": {"w": torch.ones(2)}}, m, Partial()),
             ValueError,
             "a.w",
             "Partial",
             "Shard(dim) or Replicate()",
         ),
-        _raises(
+        raises(
             lambda: fs.shard({"s": torch.tensor(1.0)}, m, Shard(0)),
             ValueError,
             "'s'",
             "0-d",
             "Replicate()",
         ),
-        _raises(
+        raises(
             lambda: fs.shard({"w": torch.ones(2, 2)}, m, Shard(2)),
             ValueError,
             "'w'",
             "out of range",
         ),
-        _raises(lambda: fs.shard({"w": torch.ones(2), "lr": 0.1}, m), TypeError, "'lr'", "float"),
-        _raises(
+        raises(lambda: fs.shard({"w": torch.ones(2), "lr": 0.1}, m), TypeError, "'lr'", "float"),
+        raises(
             lambda: fs.shard(fs.shard({"w": torch.ones(2)}, m), m),
             ValueError,
             "'w'",
             "already a DTensor",
         ),
-        _raises(
+        raises(
             lambda: fs.shard({"w": torch.ones(2)}, m, (Shard(0), Shard(0))),
             ValueError,
             "'w'",
@@ -171,7 +163,7 @@ def test_shard_errors(world2):
 
 def mesh_mismatch():
     sub = mesh(2, 2)["shard"]  # 2 ranks of a 4-rank world
-    return _raises(
+    return raises(
         lambda: fs.shard({"w": torch.ones(4)}, sub),
         ValueError,
         "2 ranks",

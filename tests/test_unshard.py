@@ -9,6 +9,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import funcshard as fs
 
+from _checks import raises
 from _comm import Collectives
 from _models import lm_loss, make, reference_step, shard_of, tokens
 from _world import mesh
@@ -138,31 +139,22 @@ def test_none_entries_are_kept(world2):
     assert all(world2.run(tree_structure))
 
 
-def _raises(fn, exc, *needles):
-    try:
-        fn()
-    except exc as e:
-        missing = [n for n in needles if n not in str(e)]
-        return f"message lacks {missing}: {e}" if missing else None
-    return f"no {exc.__name__} raised"
-
-
 def unshard_errors():
     m = mesh(dist.get_world_size())
     sharded = fs.shard({"w": torch.randn(4, 2), "b": torch.randn(2)}, m)
     meta = fs.shard({"layer.w": torch.empty(4, 2, device="meta")}, m)
     return [
-        _raises(lambda: fs.unshard(meta), RuntimeError, "layer.w", "meta", "to_empty"),
-        _raises(lambda: fs.unshard({**sharded, "lr": 0.1}), TypeError, "'lr'", "float"),
-        _raises(lambda: fs.unshard({"w": torch.randn(4, 2)}), TypeError, "'w'", "fs.shard"),
-        _raises(
+        raises(lambda: fs.unshard(meta), RuntimeError, "layer.w", "meta", "to_empty"),
+        raises(lambda: fs.unshard({**sharded, "lr": 0.1}), TypeError, "'lr'", "float"),
+        raises(lambda: fs.unshard({"w": torch.randn(4, 2)}), TypeError, "'w'", "fs.shard"),
+        raises(
             lambda: torch.func.grad(lambda p: fs.unshard(p)["w"].sum())(sharded),
             TypeError,
             "is a DTensor",
             "torch.func",
             "fs.to_local",
         ),
-        _raises(lambda: fs.unshard(sharded, grad_reduce="avg"), ValueError, "grad_reduce"),
+        raises(lambda: fs.unshard(sharded, grad_reduce="avg"), ValueError, "grad_reduce"),
     ]
 
 
@@ -211,13 +203,13 @@ def reduce_errors():
     m = mesh(dist.get_world_size())
     like = fs.shard({"w": torch.zeros(4, 2), "b": torch.zeros(2)}, m)
     return [
-        _raises(
+        raises(
             lambda: fs.reduce({"w": torch.ones(4, 2)}, like),
             ValueError,
             "missing from full_grads",
             "'b'",
         ),
-        _raises(
+        raises(
             lambda: fs.reduce(
                 {"w": torch.ones(4, 2), "b": torch.ones(2), "x": torch.ones(1)}, like
             ),
@@ -225,14 +217,14 @@ def reduce_errors():
             "not in like",
             "'x'",
         ),
-        _raises(
+        raises(
             lambda: fs.reduce({"w": torch.ones(2, 4), "b": torch.ones(2)}, like),
             ValueError,
             "'w'",
             "[2, 4]",
             "[4, 2]",
         ),
-        _raises(
+        raises(
             lambda: fs.reduce({"w": torch.ones(4, 2), "b": torch.ones(2)}, like, op="max"),
             ValueError,
             "op",
