@@ -27,14 +27,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(rank: int, world: int, port: int, conn, path: list[str]) -> None:
+def _serve(rank: int, world: int, port: int, conn, path: list[str], backend: str) -> None:
     sys.path[:0] = [p for p in path if p not in sys.path]
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world,
@@ -54,8 +56,8 @@ def _serve(rank: int, world: int, port: int, conn, path: list[str]) -> None:
 
 
 class World:
-    def __init__(self, size: int) -> None:
-        self.size = size
+    def __init__(self, size: int, backend: str = "gloo") -> None:
+        self.size, self.backend = size, backend
         self._ranks: list[tuple[mp.Process, object]] = []
 
     def _start(self) -> None:
@@ -68,7 +70,9 @@ class World:
             for rank in range(self.size):
                 parent, child = ctx.Pipe()
                 p = ctx.Process(
-                    target=_serve, args=(rank, self.size, port, child, list(sys.path)), daemon=True
+                    target=_serve,
+                    args=(rank, self.size, port, child, list(sys.path), self.backend),
+                    daemon=True,
                 )
                 p.start()
                 self._ranks.append((p, parent))
@@ -117,10 +121,10 @@ class World:
 
 
 @functools.cache
-def mesh(*shape: int, names: tuple[str, ...] | None = None):
-    """A cached CPU DeviceMesh in a rank process (2-D meshes create process groups once)."""
+def mesh(*shape: int, names: tuple[str, ...] | None = None, device: str = "cpu"):
+    """A cached DeviceMesh in a rank process (2-D meshes create process groups once)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if names is None and len(shape) == 2:
         names = ("replicate", "shard")
-    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return init_device_mesh(device, shape, mesh_dim_names=names)
