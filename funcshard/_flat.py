@@ -216,15 +216,17 @@ def _finish_level(level: _Level, into: Sequence[torch.Tensor] | None = None):
     ):
         full = _from_rank_major(r, shape, d)
         full = full if full.shape[d] == n else full.narrow(d, 0, n)
-        if into is not None:
-            target = into[len(out)]
-            with torch.autograd._unsafe_preserve_version_counter(target):
-                target.detach().copy_(full)
-            full = target
-        out.append(full)
+        out.append(full if into is None else _refill(into[len(out)], full))
     if gathered is not None:
         _release([buffer], keep=out)
     return out
+
+
+def _refill(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Copy ``value`` into ``target`` (a tensor autograd saved) without bumping its version."""
+    with torch.autograd._unsafe_preserve_version_counter(target):
+        target.detach().copy_(value)
+    return target
 
 
 def _release(tensors: Sequence[torch.Tensor], keep: Sequence[torch.Tensor]) -> None:
@@ -295,10 +297,8 @@ def issue(
             flat = torch.cat([x.reshape(-1) for x in xs])
             for b in replicas:
                 flat = C.Broadcast.apply(flat, b)
-            shapes = [tuple(x.shape) for x in xs]
-            state = [
-                f.view(s) for f, s in zip(flat.split([x.numel() for x in xs]), shapes, strict=True)
-            ]
+            none = [None] * len(xs)
+            state = _split(flat, [tuple(x.shape) for x in xs], none, none)
         started.append(_Started(idx, lays, state, out_dtypes[idx[0]]))
     return Inflight(started, len(tensors), opts)
 
@@ -321,10 +321,7 @@ def finish(inflight: Inflight, into: Sequence[torch.Tensor] | None = None) -> li
                 level = _start_level(fulls, b.layouts, m, comm)
                 fulls = _finish_level(level, targets if m == more[0] else None)
         elif targets is not None:
-            for t, f in zip(targets, fulls, strict=True):
-                with torch.autograd._unsafe_preserve_version_counter(t):
-                    t.detach().copy_(f)
-            fulls = targets
+            fulls = [_refill(t, f) for t, f in zip(targets, fulls, strict=True)]
         for i, full in zip(b.index, fulls, strict=True):
             out[i] = full.to(b.out_dtype)
     return out  # type: ignore[return-value]
