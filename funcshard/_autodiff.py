@@ -27,7 +27,9 @@ def value_and_grad(
     Gradients have the structure of the differentiated arguments and the same leaf types:
     DTensors with the inputs' placements (or LocalShards for LocalShard inputs), reduced as the
     ``unshard`` / ``schedule`` calls inside ``fn`` say (``grad_reduce="mean"`` by default). An
-    input that does not influence the value gets zero gradients. Plain autograd underneath:
+    input that does not influence the value gets zero gradients. Frozen leaves
+    (``requires_grad=False``) and integer leaves get ``None``, with no communication for them
+    (see [Note: frozen leaves] for trees where no leaf requires grad). Plain autograd underneath:
     ``fn`` runs once with fresh leaves, then one ``torch.autograd.grad``.
 
     Args:
@@ -50,10 +52,11 @@ def value_and_grad(
         rebuild, inputs, inputs_leaves = [], [], []
         for n in nums:
             paths, leaves, spec = flatten(args[n])
-            fresh = [_fresh_leaf(p, x) for p, x in zip(paths, leaves, strict=True)]
+            wanted = _differentiated(paths, leaves)
+            fresh = [_fresh_leaf(x, w) for x, w in zip(leaves, wanted, strict=True)]
             args[n] = unflatten(spec, fresh)
             rebuild.append((spec, len(fresh), len(inputs)))
-            inputs.extend(_tensor(x) for x in fresh)
+            inputs.extend(_tensor(x) if w else None for x, w in zip(fresh, wanted, strict=True))
             inputs_leaves.extend(fresh)
         collect = _sink.collecting() if not sync_grads else nullcontext()
         with torch.enable_grad(), collect as sink:
@@ -61,11 +64,7 @@ def value_and_grad(
             value, aux = out if has_aux else (out, None)
             _check_value(fn, value, has_aux)
             if sink is None:
-                grads = torch.autograd.grad(value, inputs, allow_unused=True) if inputs else ()
-                grads = [
-                    _like(torch.zeros_like(t) if g is None else g, x)
-                    for g, t, x in zip(grads, inputs, inputs_leaves, strict=True)
-                ]
+                grads = _grads(value, inputs, inputs_leaves)
             else:
                 grads = _unreduced(value, sink, inputs, inputs_leaves)
         trees = [unflatten(spec, grads[start : start + n]) for spec, n, start in rebuild]
@@ -103,39 +102,73 @@ def _check_value(fn, value, has_aux: bool) -> None:
         )
 
 
-def _unreduced(value, sink: _sink.GradSink, inputs, leaves) -> list[torch.Tensor]:
+def _unreduced(value, sink: _sink.GradSink, inputs, leaves) -> list[torch.Tensor | None]:
     """Gradients without sync: for sharded leaves, the sum of the full gradients of every
     tensor gathered from them (see [Note: gradient accumulation without communication])."""
     shard = [isinstance(x, LocalShard | DTensor) for x in leaves]
-    plain = [t for t, s in zip(inputs, shard, strict=True) if not s]
+    plain = [t for t, s in zip(inputs, shard, strict=True) if t is not None and not s]
     targets = [t for _, t in sink.targets]
-    grads = torch.autograd.grad(value, plain + targets, allow_unused=True)
+    wanted = plain + targets
+    grads = torch.autograd.grad(value, wanted, allow_unused=True) if wanted else ()
     full: dict[int, torch.Tensor] = {}
     for (leaf, t), g in zip(sink.targets, grads[len(plain) :], strict=True):
         g = torch.zeros_like(t) if g is None else g
         full[id(leaf)] = g if id(leaf) not in full else full[id(leaf)] + g
     out, plain_grads = [], iter(grads[: len(plain)])
     for t, x, s in zip(inputs, leaves, shard, strict=True):
-        if not s:
+        if t is None:
+            out.append(None)
+        elif not s:
             g = next(plain_grads)
             out.append(torch.zeros_like(t) if g is None else g)
-            continue
-        shape = x.spec.shape if isinstance(x, LocalShard) else x.shape
-        g = full.get(id(x))
-        out.append(t.new_zeros(shape) if g is None else g.detach().to(t.dtype))
+        else:
+            shape = x.spec.shape if isinstance(x, LocalShard) else x.shape
+            g = full.get(id(x))
+            out.append(t.new_zeros(shape) if g is None else g.detach().to(t.dtype))
     return out
 
 
-def _fresh_leaf(path: str, x):
-    if isinstance(x, LocalShard):
-        return LocalShard(x.tensor.detach().requires_grad_(), x.spec)
-    if isinstance(x, torch.Tensor):
-        return x.detach().requires_grad_()
-    raise TypeError(
-        f"value_and_grad: differentiated argument has a {type(x).__name__} at {path!r}; only "
-        "tensors (DTensors, LocalShards) can be differentiated -- pass other values as "
-        "non-differentiated arguments."
-    )
+def _differentiated(paths: list[str], leaves: list[Any]) -> list[bool]:
+    """Which leaves of one differentiated argument get gradients.
+
+    [Note: frozen leaves]
+    As ``torch.autograd``: a floating-point (or complex) tensor that requires grad. A frozen
+    parameter (``requires_grad=False``) and an integer tensor get ``None`` and take no part in
+    the backward communication. One exception keeps JAX-style code working: if *no* leaf of the
+    argument requires grad -- a tree built without autograd, e.g. by an out-of-place update under
+    ``torch.no_grad()`` -- every floating-point leaf is differentiated, as ``jax.grad`` does.
+    """
+    for path, x in zip(paths, leaves, strict=True):
+        if not isinstance(_tensor(x), torch.Tensor):
+            raise TypeError(
+                f"value_and_grad: differentiated argument has a {type(x).__name__} at {path!r}; "
+                "only tensors (DTensors, LocalShards) can be differentiated -- pass other values "
+                "as non-differentiated arguments."
+            )
+    floating = [_tensor(x).is_floating_point() or _tensor(x).is_complex() for x in leaves]
+    asked = [f and _tensor(x).requires_grad for x, f in zip(leaves, floating, strict=True)]
+    return asked if any(asked) else floating
+
+
+def _fresh_leaf(x, differentiated: bool):
+    """A detached alias of ``x`` (a new autograd leaf if ``differentiated``)."""
+    t = _tensor(x).detach()
+    t = t.requires_grad_() if differentiated else t
+    return LocalShard(t, x.spec) if isinstance(x, LocalShard) else t
+
+
+def _grads(value, inputs, leaves) -> list[Any]:
+    """Gradients of ``value`` w.r.t. ``inputs`` (``None`` entries: not differentiated)."""
+    wanted = [t for t in inputs if t is not None]
+    found = iter(torch.autograd.grad(value, wanted, allow_unused=True) if wanted else ())
+    out = []
+    for t, x in zip(inputs, leaves, strict=True):
+        if t is None:
+            out.append(None)
+            continue
+        g = next(found)
+        out.append(_like(torch.zeros_like(t) if g is None else g, x))
+    return out
 
 
 def _tensor(x) -> torch.Tensor:

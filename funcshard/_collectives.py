@@ -118,6 +118,16 @@ def _flat_pieces(pieces, dim: int, dtype) -> torch.Tensor:
     return torch.cat([p.flatten(dim).to(dtype) for p in pieces], dim=dim)
 
 
+def _keep_pieces(g: torch.Tensor, shapes, keep, comm: Comm) -> torch.Tensor:
+    """The gradient of an all-gather output ``[..., W * S]`` restricted to the pieces in ``keep``
+    (``[..., W * S']``, still rank-major)."""
+    d = comm.dim
+    rows = g.unflatten(d, (comm.world, -1))
+    parts = rows.split([math.prod(s[d:]) for s in shapes], dim=d + 1)
+    kept = [p for p, k in zip(parts, keep, strict=True) if k]
+    return torch.cat(kept, dim=d + 1).flatten(d, d + 1)
+
+
 def _split_pieces(flat: torch.Tensor, shapes, dim: int) -> list[torch.Tensor]:
     numels = [math.prod(s[dim:]) for s in shapes]
     return [f.view(s) for f, s in zip(flat.split(numels, dim=dim), shapes, strict=True)]
@@ -206,7 +216,7 @@ def start_all_gather(comm: Comm, pieces) -> Started:
     with torch.no_grad():
         torch._foreach_copy_(list(slot.split(numels)), [p.detach().reshape(-1) for p in pieces])
     with record_function(f"funcshard::all_gather ({comm.label})"):
-        work = dist.all_gather_into_tensor(output, slot, group=comm.group, async_op=True)
+        work = dist.all_gather_single(output, slot, group=comm.group, async_op=True)
     return Started(output, work)
 
 
@@ -237,11 +247,17 @@ class AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        donate = ctx.fresh and not torch.is_grad_enabled()  # not under create_graph
+        needs = ctx.needs_input_grad[3:]
+        shapes, fresh = ctx.shapes, ctx.fresh
+        if not all(needs):  # frozen pieces: their gradients are not communicated
+            g = _keep_pieces(g, shapes, needs, ctx.comm)
+            shapes, fresh = [s for s, n in zip(shapes, needs, strict=True) if n], True
+        donate = fresh and not torch.is_grad_enabled()  # not under create_graph
         flat = ReduceScatter.apply(g, ctx.comm, ctx.dtype, donate)
         for r in ctx.replicas:
             flat = AllReduce.apply(flat, r)
-        return (None, None, None, *_split_pieces(flat, ctx.shapes, ctx.comm.dim))
+        grads = iter(_split_pieces(flat, shapes, ctx.comm.dim))
+        return (None, None, None, *(next(grads) if n else None for n in needs))
 
     @staticmethod
     def jvp(ctx, _, __, ___, *tangents):
@@ -345,6 +361,9 @@ class Notify(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.callback = inputs[0]
+        # a Function's outputs all require grad if any input does: keep frozen ones frozen
+        frozen = [y for x, y in zip(inputs[1:], output, strict=True) if not x.requires_grad]
+        ctx.mark_non_differentiable(*frozen)
 
     @staticmethod
     def backward(ctx, *grads):

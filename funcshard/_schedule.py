@@ -21,6 +21,15 @@ under them nothing is freed: groups are still gathered one by one in the planned
 stay unsharded until the transformed call returns (the memory of ``reshard_after_forward=False``
 for the whole step). Gradients are correct either way.
 
+[Note: per-call state is not reachable from the graph]
+The autograd graph of a call outlives the call (it is kept by the loss, the gradients' history
+or a user's reference), and a Python object held by a graph node through a C++ edge is invisible
+to Python's cycle collector. ``_Run`` holds each group's full tensors, whose ``Notify`` node holds
+the post-backward callback: if that callback held the ``_Run``, every step's state (its full
+parameters included) would stay alive forever. So the callback holds only a weak reference;
+during backward the ``_Run`` is kept alive by the saved-tensor hooks of the nodes that still
+need it, and once none does there is nothing left to free.
+
 [Note: out-of-plan use]
 A group used when the plan does not expect it is never wrong: if its tensors are unsharded it
 is simply used; otherwise it is gathered on demand (synchronously) with a ``UserWarning`` naming
@@ -32,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -45,7 +55,7 @@ from ._collectives import Notify, async_allowed
 from ._deferred import Deferred
 from ._extract import functional_call
 from ._plan import Plan, Step
-from ._spec import LocalShard, as_local
+from ._spec import LocalShard, as_local, check_materialized
 from .transforms._unshard import reduce_mean
 
 
@@ -138,6 +148,7 @@ class _Group:
         self.fulls: list[torch.Tensor] | None = None  # what the module computes with
         self.storages: list[tuple[torch.UntypedStorage, int]] = []
         self.resident = False
+        self.frozen = not any(t.requires_grad for t in locals_)
 
     @property
     def pending(self) -> bool:
@@ -254,6 +265,9 @@ class _Run:
             self.groups[g.name] = state
             for i, p in enumerate(g.params):
                 self.index[p] = (state, i)
+        check_materialized(
+            list(self.index), [g.locals[i] for g, i in self.index.values()], "schedule"
+        )
         self.forward = _Cursor(plan.order, plan.forward, "forward")
         self.backward = _Cursor(plan.backward_order, plan.backward, "backward")
         self.in_forward = True
@@ -295,9 +309,10 @@ class _Run:
             state.issue()
         elif step.op == "wait":
             self._materialize(state)
-        elif step.op == "free" and direction == "forward" and self.tracking:
+        elif step.op == "free" and self.tracking and (direction == "forward" or state.frozen):
             self._free(state)
-        # backward frees and reduce-scatters happen when autograd finishes the group (Notify)
+        # other backward frees and reduce-scatters happen when autograd finishes the group
+        # (Notify); a frozen group has no gradients to wait for: freed when the plan moves on
 
     def _ensure(self, group: str) -> None:
         """Make ``group`` usable; warn if that takes a gather the plan did not schedule."""
@@ -329,9 +344,13 @@ class _Run:
         state.free()
 
     def _post_backward(self, state: _Group) -> Callable:
+        # see [Note: per-call state is not reachable from the graph]
+        run, name = weakref.ref(self), state.name
+
         def done(grads):
-            self._exit()
-            self._free(state)
+            if (live := run()) is not None:
+                live._exit()
+                live._free(live.groups[name])
             return grads
 
         return done

@@ -197,6 +197,17 @@ def check_storage_placements(path: str, placements, mesh: DeviceMesh, ndim: int)
             )
 
 
+def check_materialized(paths, locals_, fn: str) -> None:
+    """Raises ``RuntimeError`` naming the shards still on the meta device."""
+    on_meta = [p for p, x in zip(paths, locals_, strict=True) if x.device.type == "meta"]
+    if on_meta:
+        raise RuntimeError(
+            f"{fn}: parameters are still on the meta device: {on_meta}. Materialize them before "
+            "sharding: build the module on a real device, or call module.to_empty(device=...) and "
+            "re-initialize (e.g. reset_parameters()) before fs.extract / fs.shard."
+        )
+
+
 def _unwrap_functorch(x: torch.Tensor) -> torch.Tensor:
     while torch._C._functorch.is_functorch_wrapped_tensor(x):
         x = torch._C._functorch.get_unwrapped(x)

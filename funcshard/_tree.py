@@ -40,8 +40,12 @@ def map_with_path(fn: Callable[[str, Any], Any], tree: PyTree) -> PyTree:
     return unflatten(spec, [fn(p, leaf) for p, leaf in zip(paths, leaves, strict=True)])
 
 
-def flatten_like(tree: PyTree, like: PyTree, *, what: str, like_what: str) -> list[Any]:
+def flatten_like(
+    tree: PyTree, like: PyTree, *, what: str, like_what: str, none_ok: bool = False
+) -> list[Any]:
     """Leaves of ``tree`` in the order of ``like``'s leaves; a clear error if the structures differ.
+
+    ``none_ok``: ``tree`` may hold ``None`` in place of any leaf of ``like`` (returned as ``None``).
 
     Raises:
         ValueError: naming the key paths present in one tree and not in the other.
@@ -50,6 +54,11 @@ def flatten_like(tree: PyTree, like: PyTree, *, what: str, like_what: str) -> li
     paths, leaves, spec = flatten(tree)
     if spec == like_spec:
         return leaves
+    if none_ok:
+        _, given, given_spec = optree.tree_flatten_with_path(tree, none_is_leaf=True)
+        _, slots, slots_spec = optree.tree_flatten_with_path(like, none_is_leaf=True)
+        if given_spec == slots_spec:
+            return [g for g, s in zip(given, slots, strict=True) if s is not None]
     missing = sorted(set(like_paths) - set(paths))
     extra = sorted(set(paths) - set(like_paths))
     detail = []

@@ -87,10 +87,15 @@ def reference_step(model: nn.Module, batches, loss_fn=lm_loss):
         loss.backward()
         losses.append(loss.detach())
         g = {n: p.grad for n, p in m.named_parameters()}
-        grads = g if grads is None else {n: grads[n] + g[n] for n in g}
+        grads = g if grads is None else {n: _add(grads[n], g[n]) for n in g}
         buffers.append({n: b.clone() for n, b in m.named_buffers()})
     n = len(batches)
-    return torch.stack(losses).mean(), {k: v / n for k, v in grads.items()}, buffers
+    mean = {k: None if v is None else v / n for k, v in grads.items()}
+    return torch.stack(losses).mean(), mean, buffers
+
+
+def _add(a, b):
+    return None if a is None else a + b
 
 
 def shard_of(full: torch.Tensor, dtensor) -> torch.Tensor:

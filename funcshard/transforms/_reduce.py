@@ -26,7 +26,8 @@ def reduce(
 
     Args:
         full_grads: a tree with the structure of ``like`` whose leaves are full tensors of the
-            global (per-member, under ``vmap``) shapes.
+            global (per-member, under ``vmap``) shapes, or ``None`` for no gradient (frozen
+            parameters): those come back ``None``, without communication.
         like: the sharded tree to match: DTensors, or LocalShards inside ``torch.func``.
         op: ``"mean"`` averages over all ranks (DDP/FSDP), ``"sum"`` adds.
         reduce_dtype: dtype of the communication; results come back in ``like``'s dtypes.
@@ -40,9 +41,10 @@ def reduce(
     """
     mean = reduce_mean(op, "op")
     paths, like_leaves, spec = flatten(like)
-    fulls = flatten_like(full_grads, like, what="full_grads", like_what="like")
+    fulls = flatten_like(full_grads, like, what="full_grads", like_what="like", none_ok=True)
+    given = [i for i, full in enumerate(fulls) if full is not None]
     layouts, dtypes = [], []
-    for path, full, leaf in zip(paths, fulls, like_leaves, strict=True):
+    for path, full, leaf in ((paths[i], fulls[i], like_leaves[i]) for i in given):
         local, shard_spec = as_local(path, leaf, "reduce")
         if not isinstance(full, torch.Tensor):
             raise TypeError(
@@ -57,8 +59,11 @@ def reduce(
         layouts.append(_flat.Layout.stripped(path, shard_spec, lead))
         dtypes.append(local.dtype)
     opts = _flat.Options("reduce", reduce_dtype=reduce_dtype, mean=mean)
-    outs = _flat.scatter(fulls, layouts, dtypes, opts) if fulls else []
-    return unflatten(spec, [_like(out, leaf) for out, leaf in zip(outs, like_leaves, strict=True)])
+    reduced = _flat.scatter([fulls[i] for i in given], layouts, dtypes, opts) if given else []
+    outs: list = [None] * len(fulls)
+    for i, out in zip(given, reduced, strict=True):
+        outs[i] = _like(out, like_leaves[i])
+    return unflatten(spec, outs)
 
 
 def _like(out: torch.Tensor, leaf):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import _flat, _sink
-from .._spec import as_local
+from .._spec import as_local, check_materialized
 from .._tree import PyTree, flatten, unflatten
 
 
@@ -50,13 +50,7 @@ def unshard(
         local, shard_spec = as_local(path, leaf, "unshard")
         locals_.append(local)
         layouts.append(_flat.Layout.of(path, shard_spec, local))
-    on_meta = [p for p, x in zip(paths, locals_, strict=True) if x.device.type == "meta"]
-    if on_meta:
-        raise RuntimeError(
-            f"unshard: parameters are still on the meta device: {on_meta}. Materialize them before "
-            "sharding: build the module on a real device, or call module.to_empty(device=...) and "
-            "re-initialize (e.g. reset_parameters()) before fs.extract / fs.shard."
-        )
+    check_materialized(paths, locals_, "unshard")
     opts = _flat.Options("unshard", param_dtype, reduce_dtype, mean=reduce_mean(grad_reduce))
     fulls = _flat.gather(locals_, layouts, opts) if locals_ else []
     if (sink := _sink.current()) is not None:  # see [Note: gradient accumulation without ...]
