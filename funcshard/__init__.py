@@ -1,7 +1,7 @@
 """funcshard: functional ZeRO-3 sharding for PyTorch, as pure transforms over pytrees."""
 
 from . import policy
-from ._autodiff import grad, value_and_grad
+from ._autodiff import grad, per_sample_grad, value_and_grad
 from ._extract import extract, functional_call
 from ._grouping import group
 from ._plan import Group, Plan, Step, plan
@@ -20,6 +20,7 @@ __all__ = [
     "functional_call",
     "grad",
     "group",
+    "per_sample_grad",
     "plan",
     "policy",
     "reduce",

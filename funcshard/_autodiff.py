@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 from . import _sink
 from ._spec import LocalShard
 from ._tree import flatten, unflatten
+from .transforms._unshard import unshard
 
 
 def value_and_grad(
@@ -177,3 +178,43 @@ def _tensor(x) -> torch.Tensor:
 
 def _like(g: torch.Tensor, x):
     return LocalShard(g, x.spec) if isinstance(x, LocalShard) else g
+
+
+def per_sample_grad(
+    fn: Callable[..., Any],
+    *,
+    in_dims: int | Sequence[int | None] | None = 0,
+    param_dtype: torch.dtype | None = None,
+) -> Callable[..., Any]:
+    """``fn(full_params, *sample) -> scalar`` (one sample, no batch dim) becomes
+    ``f(sharded, *batch) -> per-sample gradients``: the gradients of *this rank's own* samples
+    with respect to the full parameters.
+
+    The parameters are gathered once per call, without autograd (one all-gather per bucket); the
+    per-sample gradients are then ``vmap(grad(fn))`` on the full tensors, with no communication.
+    Each result leaf has the full parameter's shape with the batch dim in front:
+    ``{fqn: [B, *global shape]}``, a plain tensor. Clip or otherwise combine them, then
+    :func:`~funcshard.reduce` into shards.
+
+    [Note: per-sample gradients through unshard]
+    ``torch.func.vmap(torch.func.grad(loss))`` over a loss that calls :func:`~funcshard.unshard`
+    runs the backward reduce-scatter once per sample index: sample ``i``'s gradient is then the
+    mean over ranks of every rank's sample ``i`` -- the gradient convention of ``unshard``, not
+    what DP-SGD wants. Gathering first and differentiating with respect to the full tensors gives
+    each rank its own samples' gradients, at one all-gather per step.
+
+    Args:
+        fn: the loss of one sample; its first argument is the ``{fqn: full tensor}`` tree.
+        in_dims: ``vmap``'s in_dims for the batch arguments (an int, ``None`` for an argument
+            shared by all samples, or one per argument).
+        param_dtype: gather (and differentiate) the parameters in this dtype.
+    """
+
+    @functools.wraps(fn)
+    def wrapped(sharded, *batch):
+        with torch.no_grad():
+            full = unshard(sharded, param_dtype=param_dtype)
+        dims = (in_dims,) * len(batch) if not isinstance(in_dims, Sequence) else tuple(in_dims)
+        return torch.func.vmap(torch.func.grad(fn), in_dims=(None, *dims))(full, *batch)
+
+    return wrapped

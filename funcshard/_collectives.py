@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 
 import torch
 import torch.distributed as dist
@@ -220,6 +221,36 @@ def start_all_gather(comm: Comm, pieces) -> Started:
     return Started(output, work)
 
 
+def refuse_jacfwd(comm: Comm) -> None:
+    """Raise if a collective's ``jvp`` runs under ``torch.func.jacfwd`` (or ``hessian``).
+
+    [Note: jacfwd through a collective]
+    ``jacfwd`` is ``vmap(jvp)`` over the standard basis of its inputs, built *per rank*: with
+    sharded inputs every rank pushes basis vector ``i`` of its own shard at the same time, so the
+    all-gathered tangent has a one on every rank and each "column" sums several ranks' columns
+    (with uneven shards the ranks' batch sizes even differ and the collective fails). No rule
+    of the collective can tell this from a legitimate ``vmap(jvp)`` over sharded tangents, so the
+    caller is recognised by its frame: ``push_jvp`` inside ``torch/_functorch/eager_transforms``.
+    ``tests/test_reliability.py`` checks that jacfwd is refused, so that a torch upgrade that
+    renames it fails there rather than in someone's Jacobian.
+    """
+    if comm.world == 1:
+        return
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "push_jvp" and code.co_filename.endswith("eager_transforms.py"):
+            raise ValueError(
+                f"torch.func.jacfwd (or hessian) through funcshard's collectives ({comm.label}) is "
+                "not supported: every rank would push basis vectors of its own shard at once, "
+                "mixing the ranks' columns. Use torch.func.jacrev, or gather first (full = "
+                "fs.unshard(sharded) outside the transform), take jacfwd with respect to the full "
+                "tensors, and fs.reduce the result if you need it sharded. jacfwd with respect "
+                "to inputs (not parameters) is fine."
+            )
+        frame = frame.f_back
+
+
 class AllGather(torch.autograd.Function):
     """All-gather pieces: the output is ``[W * S]`` (``S``: the pieces' total numel), each rank's
     pieces flattened and concatenated, ranks in order. Dims before ``comm.dim`` are batch dims.
@@ -261,6 +292,7 @@ class AllGather(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, _, __, ___, *tangents):
+        refuse_jacfwd(ctx.comm)
         tangents = [
             torch.zeros(s, dtype=ctx.dtype, device=ctx.device) if t is None else t
             for t, s in zip(tangents, ctx.shapes, strict=True)
@@ -293,6 +325,7 @@ class ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, t, _, __, ___):
+        refuse_jacfwd(ctx.comm)
         return ReduceScatter.apply(t, ctx.comm.synchronous(), t.dtype)
 
     @staticmethod
@@ -343,6 +376,7 @@ class AllReduce(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, t, _):
+        refuse_jacfwd(ctx.comm)
         return AllReduce.apply(t, ctx.comm.synchronous())
 
     @staticmethod

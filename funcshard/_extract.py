@@ -30,9 +30,25 @@ def extract(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch
     first name; the other names are remembered so that :func:`functional_call` (and
     :func:`~funcshard.group`) keep it tied, even after ``module.to("meta")``.
     """
+    check_not_wrapped(module, "extract")
     _ALIASES[module] = recorded = _recorded_aliases(module)
     params = {k: v for k, v in module.named_parameters() if k not in recorded}
     return params, {k: v for k, v in module.named_buffers() if k not in recorded}
+
+
+def check_not_wrapped(module: nn.Module, fn: str) -> None:
+    """Raises ``ValueError`` if ``module`` or a submodule is already sharded by FSDP."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    for fqn, m in module.named_modules():
+        if isinstance(m, FSDPModule | FullyShardedDataParallel):
+            raise ValueError(
+                f"{fn}: module {fqn or '<root>'!r} ({type(m).__name__}) is already sharded by "
+                "FSDP / fully_shard, whose parameters funcshard cannot use. funcshard shards a "
+                "plain module itself: build the model again without fully_shard (double wrapping "
+                "is not supported); to bring an FSDP2 model's weights over, save its state dict "
+                "with torch.distributed.checkpoint and load it into funcshard's shards."
+            )
 
 
 def _recorded_aliases(module: nn.Module) -> dict[str, str]:
@@ -109,6 +125,7 @@ def functional_call(
     was extracted gets the value given for its first name (unless given itself), so a tied
     embedding/head stays tied even if the module was moved to meta afterwards.
     """
+    check_not_wrapped(module, "functional_call")
     dicts = (
         [parameter_and_buffer_dicts]
         if isinstance(parameter_and_buffer_dicts, Mapping)

@@ -85,6 +85,14 @@ class Options:
     reduce_dtype: torch.dtype | None = None
     mean: bool = True
 
+    def key(self) -> tuple:
+        """What ranks must agree on (see ``_consensus``)."""
+        return (
+            ("param_dtype", self.param_dtype),
+            ("reduce_dtype", self.reduce_dtype),
+            ("grad_reduce", "mean" if self.mean else "sum"),
+        )
+
 
 @dataclasses.dataclass
 class _Level:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 
 from torch import nn
 
-from ._extract import aliases
+from ._extract import aliases, check_not_wrapped
 
 
 class Policy:
@@ -160,7 +160,7 @@ def group(
         ValueError: a module is already wrapped by FSDP / ``fully_shard``; an ignored name is
             not a parameter or module of ``module``; ``by_names`` names an unknown module.
     """
-    _check_not_wrapped(module)
+    check_not_wrapped(module, "group")
     if policy is not None:
         policy.check(module)
     names = _param_names(module)
@@ -265,15 +265,3 @@ def _resolve_ignored(module, ignored, names) -> tuple[set[nn.Module], set[str]]:
         for n, _ in m.named_parameters(remove_duplicate=False):
             ignored_params.add(names[f"{prefix}.{n}" if prefix else n])
     return ignored_modules, ignored_params
-
-
-def _check_not_wrapped(module: nn.Module) -> None:
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-    for fqn, m in module.named_modules():
-        if isinstance(m, FSDPModule | FullyShardedDataParallel):
-            raise ValueError(
-                f"group: module {fqn or '<root>'!r} ({type(m).__name__}) is already wrapped by "
-                "FSDP / fully_shard. funcshard shards a plain module: build it again without "
-                "FSDP (double wrapping is not supported)."
-            )

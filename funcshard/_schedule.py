@@ -52,6 +52,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _flat, _sink
 from ._collectives import Notify, async_allowed
+from ._consensus import agree, leaf
 from ._deferred import Deferred
 from ._extract import functional_call
 from ._plan import Plan, Step
@@ -267,6 +268,11 @@ class _Run:
                 self.index[p] = (state, i)
         check_materialized(
             list(self.index), [g.locals[i] for g, i in self.index.values()], "schedule"
+        )
+        agree(
+            "schedule",
+            [leaf(p, g.layouts[i].spec, g.locals[i]) for p, (g, i) in self.index.items()],
+            (*opts.key(), ("plan", plan)),
         )
         self.forward = _Cursor(plan.order, plan.forward, "forward")
         self.backward = _Cursor(plan.backward_order, plan.backward, "backward")

@@ -25,6 +25,7 @@ import dataclasses
 import functools
 
 import torch
+import torch.distributed as dist
 import torch.utils._pytree as torch_pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
@@ -220,11 +221,65 @@ def as_local(path: str, leaf, fn: str) -> tuple[torch.Tensor, ShardSpec]:
     Raises:
         TypeError: for a non-tensor leaf, a plain tensor, or a DTensor that lost its type inside a
             ``torch.func`` transform -- each message names ``path`` and the fix.
+        ValueError: a placement funcshard cannot store (``Partial``, strided), or a mesh that is
+            not the whole process group in rank order (see :func:`check_mesh`).
     """
     if isinstance(leaf, LocalShard):
-        return leaf.tensor, leaf.spec
-    if isinstance(leaf, DTensor):
-        return leaf.to_local(), ShardSpec.of(leaf)
+        local, spec = leaf.tensor, leaf.spec
+    elif isinstance(leaf, DTensor):
+        local, spec = leaf.to_local(), ShardSpec.of(leaf)
+    else:
+        _not_a_shard(path, leaf, fn)
+    check_storage_placements(path, spec.placements, spec.mesh, len(spec.shape))
+    check_mesh(path, spec.mesh, fn)
+    return local, spec
+
+
+def check_mesh(path: str, mesh: DeviceMesh, fn: str) -> None:
+    """The mesh of a shard must span the whole default process group, and each of its dims'
+    process groups must list the ranks in mesh order.
+
+    [Note: meshes funcshard can gather over]
+    funcshard's collectives run over ``mesh.get_group(d)`` and put rank ``i`` of that group's
+    chunk at position ``i``. That is the DTensor chunk order only if the group's ranks, in group
+    order, are the mesh's ranks along ``d`` in coordinate order -- true for ``init_device_mesh``,
+    false for a permuted ``DeviceMesh("cpu", [1, 0])`` (c10d sorts a new group's ranks). And a
+    sub-mesh (fewer ranks than the world) would average gradients over part of the data only.
+
+    Raises:
+        ValueError: naming ``path``, what is wrong with the mesh, and the fix.
+    """
+    problem = _mesh_problem(mesh)
+    if problem is not None:
+        raise ValueError(
+            f"{fn}: {path!r} is sharded on {mesh}, {problem}. funcshard shards over every rank "
+            "of the default process group: build the mesh with init_device_mesh(device, (world,))"
+            " (FSDP) or (replicas, world // replicas) (HSDP) and fs.shard the full tensors on it."
+        )
+
+
+@functools.lru_cache(maxsize=256)
+def _mesh_problem(mesh: DeviceMesh) -> str | None:
+    world = dist.get_world_size()
+    if mesh.size() != world:
+        return f"which has {mesh.size()} ranks while the process group has {world}"
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return f"which does not include this rank ({dist.get_rank()})"
+    for d in range(mesh.ndim):
+        index = tuple(slice(None) if i == d else c for i, c in enumerate(coord))
+        along = mesh.mesh[index].tolist()
+        ranks = dist.get_process_group_ranks(mesh.get_group(d))
+        if along != ranks:
+            return (
+                f"whose dim {d} lists ranks {along} but whose process group for that dim orders "
+                f"them {ranks} (a permuted mesh)"
+            )
+    return None
+
+
+def _not_a_shard(path: str, leaf, fn: str):
+    """Raises the TypeError for a leaf that is neither a DTensor nor a LocalShard."""
     if not isinstance(leaf, torch.Tensor):
         raise TypeError(
             f"{fn}: {path!r} is a {type(leaf).__name__}, not a sharded tensor. Trees passed to "

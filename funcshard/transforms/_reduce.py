@@ -6,6 +6,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import _flat
+from .._consensus import agree
 from .._spec import LocalShard, as_local
 from .._tree import PyTree, flatten, flatten_like, unflatten
 from ._unshard import reduce_mean
@@ -59,6 +60,9 @@ def reduce(
         layouts.append(_flat.Layout.stripped(path, shard_spec, lead))
         dtypes.append(local.dtype)
     opts = _flat.Options("reduce", reduce_dtype=reduce_dtype, mean=mean)
+    entries = [(paths[i], a.spec, d, True) for i, a, d in zip(given, layouts, dtypes, strict=True)]
+    wire = ("grad_dtypes", tuple(fulls[i].dtype for i in given))
+    agree("reduce", entries, (*opts.key(), wire))
     reduced = _flat.scatter([fulls[i] for i in given], layouts, dtypes, opts) if given else []
     outs: list = [None] * len(fulls)
     for i, out in zip(given, reduced, strict=True):

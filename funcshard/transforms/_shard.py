@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from .._spec import ShardSpec, check_storage_placements
+from .._spec import ShardSpec, check_mesh, check_storage_placements
 from .._tree import PyTree, map_with_path
 
 Placements = Placement | Sequence[Placement]
@@ -110,3 +110,4 @@ def _check_mesh(mesh: DeviceMesh) -> None:
             f"init_device_mesh({mesh.device_type!r}, ({world},)) for FSDP, or "
             f"(replicas, {world} // replicas) for HSDP."
         )
+    check_mesh("<mesh>", mesh, "shard")

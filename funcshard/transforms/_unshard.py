@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _flat, _sink
+from .. import _consensus, _flat, _sink
 from .._spec import as_local, check_materialized
 from .._tree import PyTree, flatten, unflatten
 
@@ -52,6 +52,8 @@ def unshard(
         layouts.append(_flat.Layout.of(path, shard_spec, local))
     check_materialized(paths, locals_, "unshard")
     opts = _flat.Options("unshard", param_dtype, reduce_dtype, mean=reduce_mean(grad_reduce))
+    specs = zip(paths, layouts, locals_, strict=True)
+    _consensus.agree("unshard", [_consensus.leaf(p, a.spec, t) for p, a, t in specs], opts.key())
     fulls = _flat.gather(locals_, layouts, opts) if locals_ else []
     if (sink := _sink.current()) is not None:  # see [Note: gradient accumulation without ...]
         sink.track(leaves, fulls)
