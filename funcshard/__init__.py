@@ -4,6 +4,7 @@ from . import policy
 from ._autodiff import grad, per_sample_grad, value_and_grad
 from ._extract import extract, functional_call
 from ._grouping import group
+from ._materialize import materialize
 from ._plan import Group, Plan, Step, plan
 from ._schedule import schedule
 from ._spec import LocalShard, ShardSpec, from_local, to_local, tree_map
@@ -20,6 +21,7 @@ __all__ = [
     "functional_call",
     "grad",
     "group",
+    "materialize",
     "per_sample_grad",
     "plan",
     "policy",

@@ -203,9 +203,9 @@ def check_materialized(paths, locals_, fn: str) -> None:
     on_meta = [p for p, x in zip(paths, locals_, strict=True) if x.device.type == "meta"]
     if on_meta:
         raise RuntimeError(
-            f"{fn}: parameters are still on the meta device: {on_meta}. Materialize them before "
-            "sharding: build the module on a real device, or call module.to_empty(device=...) and "
-            "re-initialize (e.g. reset_parameters()) before fs.extract / fs.shard."
+            f"{fn}: parameters are still on the meta device: {on_meta}. Initialise a module "
+            "built on meta with fs.materialize(module, mesh), which makes the shards directly "
+            "(module.to_empty(device=...) + reset_parameters() puts the whole model on every rank)."
         )
 
 

@@ -144,7 +144,7 @@ def unshard_errors():
     sharded = fs.shard({"w": torch.randn(4, 2), "b": torch.randn(2)}, m)
     meta = fs.shard({"layer.w": torch.empty(4, 2, device="meta")}, m)
     return [
-        raises(lambda: fs.unshard(meta), RuntimeError, "layer.w", "meta", "to_empty"),
+        raises(lambda: fs.unshard(meta), RuntimeError, "layer.w", "meta", "fs.materialize"),
         raises(lambda: fs.unshard({**sharded, "lr": 0.1}), TypeError, "'lr'", "float"),
         raises(lambda: fs.unshard({"w": torch.randn(4, 2)}), TypeError, "'w'", "fs.shard"),
         raises(
