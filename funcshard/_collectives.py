@@ -108,7 +108,7 @@ def _reduce_input(x: torch.Tensor, comm: Comm, donated: bool) -> tuple[torch.Ten
 
 
 def _pending_or_waited(y: torch.Tensor, comm: Comm, donated: torch.Tensor | None):
-    if comm.async_op:
+    if comm.async_op and y.numel():  # see [Note: empty shards are reduced synchronously]
         if donated is not None:
             _DONATED[y.untyped_storage().data_ptr()] = donated
         return y
@@ -183,7 +183,7 @@ def _all_reduce(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     y, _ = _reduce_input(x, comm, False)
     with record_function(f"funcshard::all_reduce ({comm.label})"):
         y = _ops.all_reduce(y, "sum", comm.group.group_name)
-    if comm.async_op and y.dtype == x.dtype:
+    if comm.async_op and y.dtype == x.dtype and y.numel():
         return y
     return wait(y).to(x.dtype)
 

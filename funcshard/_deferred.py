@@ -17,10 +17,11 @@ module that owns them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Protocol
 
+import optree
 import torch
-from optree import tree_map
 
 # Answered from the placeholder's own (meta) metadata, without resolving.
 _METADATA = {
@@ -39,18 +40,47 @@ _DEVICE = torch.Tensor.device.__get__
 _DATA = torch.Tensor.data.__get__
 
 
+class Resolver(Protocol):
+    """Who answers for :class:`Deferred` parameters, one torch operation at a time.
+
+    [Note: one operation's parameters are resident together]
+    An operation may take parameters of several groups (a weight tied across groups:
+    ``layer_norm(x, weight_of_A, bias_of_B)``). Resolving them one by one would let the
+    scheduler advance to ``B`` -- and free ``A`` -- before the operation runs. So all of an
+    operation's parameters are resolved in one call, and ``release`` follows the operation:
+    frees due in between wait for it.
+    """
+
+    def resolve(self, fqns: Sequence[str]) -> list[torch.Tensor]: ...
+
+    def release(self) -> None: ...
+
+
+class _Detached:
+    """What ``param.data`` resolves to: the same tensors, detached."""
+
+    def __init__(self, inner: Resolver) -> None:
+        self.inner = inner
+
+    def resolve(self, fqns: Sequence[str]) -> list[torch.Tensor]:
+        return [t.detach() for t in self.inner.resolve(fqns)]
+
+    def release(self) -> None:
+        self.inner.release()
+
+
 class Deferred(torch.Tensor):
-    """A data-less stand-in for the unsharded parameter ``fqn``; ``resolve(fqn)`` returns the
-    real tensor. Reports the real tensor's shape, dtype and device."""
+    """A data-less stand-in for the unsharded parameter ``fqn``, answered by ``resolver``.
+    Reports the real tensor's shape, dtype and device."""
 
     _fqn: str
-    _resolve: Callable[[str], torch.Tensor]
+    _resolver: Resolver
     _device: torch.device
 
     @staticmethod
-    def __new__(cls, fqn: str, shape, dtype: torch.dtype, device, resolve) -> Deferred:
+    def __new__(cls, fqn: str, shape, dtype: torch.dtype, device, resolver: Resolver) -> Deferred:
         t = torch.Tensor._make_subclass(cls, torch.empty(shape, dtype=dtype, device="meta"))
-        t._fqn, t._resolve, t._device = fqn, resolve, torch.device(device)
+        t._fqn, t._resolver, t._device = fqn, resolver, torch.device(device)
         return t
 
     def __repr__(self) -> str:
@@ -63,15 +93,22 @@ class Deferred(torch.Tensor):
             return args[0]._device
         if func == _DATA:  # stays deferred: resolves to the detached tensor
             x = args[0]
-            return Deferred(
-                x._fqn, x.shape, x.dtype, x._device, lambda fqn: x._resolve(fqn).detach()
-            )
+            return Deferred(x._fqn, x.shape, x.dtype, x._device, _Detached(x._resolver))
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        args, kwargs = tree_map(
-            lambda x: x._resolve(x._fqn) if isinstance(x, Deferred) else x,
-            (args, kwargs),
-            none_is_leaf=True,
-        )
-        return func(*args, **kwargs)  # no Deferred left: no recursion
+        leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+        by_resolver: dict[int, tuple[Resolver, list[int]]] = {}
+        for i, x in enumerate(leaves):
+            if isinstance(x, Deferred):
+                by_resolver.setdefault(id(x._resolver), (x._resolver, []))[1].append(i)
+        try:  # see [Note: one operation's parameters are resident together]
+            for resolver, where in by_resolver.values():
+                real = resolver.resolve([leaves[i]._fqn for i in where])
+                for i, t in zip(where, real, strict=True):
+                    leaves[i] = t
+            args, kwargs = optree.tree_unflatten(spec, leaves)
+            return func(*args, **kwargs)  # no Deferred left: no recursion
+        finally:
+            for resolver, _ in by_resolver.values():
+                resolver.release()

@@ -54,12 +54,7 @@ def check_not_wrapped(module: nn.Module, fn: str) -> None:
 def _recorded_aliases(module: nn.Module) -> dict[str, str]:
     """Live ties, plus earlier recorded ones that only ``to("meta")`` broke (both on meta)."""
     live = _live_aliases(module)
-    tensors = dict(
-        itertools.chain(
-            module.named_parameters(remove_duplicate=False),
-            module.named_buffers(remove_duplicate=False),
-        )
-    )
+    tensors = dict(_named_tensors(module))
     kept = {
         a: c
         for a, c in _ALIASES.get(module, {}).items()
@@ -71,11 +66,7 @@ def _recorded_aliases(module: nn.Module) -> dict[str, str]:
 def _live_aliases(module: nn.Module) -> dict[str, str]:
     first: dict[int, str] = {}
     aliases = {}
-    named = itertools.chain(
-        module.named_parameters(remove_duplicate=False),
-        module.named_buffers(remove_duplicate=False),
-    )
-    for name, t in named:
+    for name, t in _named_tensors(module):
         canonical = first.setdefault(id(t), name)
         if canonical != name:
             aliases[name] = canonical
@@ -124,6 +115,17 @@ def functional_call(
     Same signature and semantics. With ``tie_weights=True``, every alias recorded when the module
     was extracted gets the value given for its first name (unless given itself), so a tied
     embedding/head stays tied even if the module was moved to meta afterwards.
+
+    [Note: shared modules]
+    A module reachable under two names (``self.a = self.b = block``) holds one slot for both.
+    ``torch.func.functional_call`` swaps in a value per *name* and restores in the same order, so
+    the second swap saves the first's replacement as "original" and the module keeps the
+    replacement after the call (torch 2.13). The ties are therefore resolved here, and torch gets
+    one name per (module, attribute) slot, with its own tie handling off.
+
+    Raises:
+        ValueError: different values for tied names; a name given in two dicts.
+        RuntimeError: ``strict=True`` and names are missing or unexpected (torch's message).
     """
     check_not_wrapped(module, "functional_call")
     dicts = (
@@ -131,12 +133,52 @@ def functional_call(
         if isinstance(parameter_and_buffer_dicts, Mapping)
         else list(parameter_and_buffer_dicts)
     )
+    given = {k: v for d in dicts for k, v in d.items()}
+    if len(given) < sum(len(d) for d in dicts):  # torch's message
+        seen = [k for d in dicts for k in d]
+        dups = sorted({k for k in seen if seen.count(k) > 1})
+        raise ValueError(
+            f"{dups} appeared in multiple dictionaries; behavior of functional call is ambiguous"
+        )
     if tie_weights:
-        tied = _fill_ties(aliases(module), {k: v for d in dicts for k, v in d.items()})
-        if tied:
-            dicts = [*dicts, tied]
-    if args is None:
-        args = ()
+        given.update(_fill_ties(aliases(module), given))
+    if strict:
+        _check_strict(module, given)
     return torch.func.functional_call(
-        module, tuple(dicts), args, kwargs, tie_weights=tie_weights, strict=strict
+        module, _one_per_slot(module, given), () if args is None else args, kwargs,
+        tie_weights=False,
+    )  # fmt: skip
+
+
+def _check_strict(module: nn.Module, given: Mapping[str, Any]) -> None:
+    """``strict=True``: every name of the module (shared and tied ones included), no other."""
+    names = {n for n, _ in _named_tensors(module)}
+    missing, unexpected = sorted(names - set(given)), sorted(set(given) - names)
+    errors = [f"Unexpected key(s): {', '.join(map(repr, unexpected))}."] if unexpected else []
+    errors += [f"Missing key(s): {', '.join(map(repr, missing))}."] if missing else []
+    if errors:
+        raise RuntimeError(
+            f"Error(s) in reparametrizing for {module._get_name()}:\n\t" + "\n\t".join(errors)
+        )
+
+
+def _named_tensors(module: nn.Module):
+    return itertools.chain(
+        module.named_parameters(remove_duplicate=False),
+        module.named_buffers(remove_duplicate=False),
     )
+
+
+def _one_per_slot(module: nn.Module, named: Mapping[str, Any]) -> dict[str, Any]:
+    """``named`` without the names that reach an already-named (module, attribute) slot."""
+    seen, out = set(), {}
+    for name, value in named.items():
+        prefix, _, attr = name.rpartition(".")
+        try:
+            owner = module.get_submodule(prefix)
+        except AttributeError:  # unknown: torch reports it
+            owner = name
+        if (id(owner), attr) not in seen:
+            seen.add((id(owner), attr))
+            out[name] = value
+    return out

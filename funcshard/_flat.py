@@ -204,6 +204,12 @@ def _start_level(xs, layouts, mesh_dim: int, comm: C.Comm, replicas=()) -> _Leve
     sizes = [lay.levels[mesh_dim][d] for lay, d in zip(layouts, dims, strict=True)]
     padded = [_pad(x, d, -(-n // comm.world)) for x, d, n in zip(xs, dims, sizes, strict=True)]
     started = C.start_all_gather(comm, padded) if comm.async_op else None
+    if all(x.numel() == 0 for x in xs):
+        # [Note: empty shards are reduced synchronously]
+        # A pending gradient is waited where it reaches a wait node, found by its storage. If all
+        # of this rank's shards are empty (uneven sizes), only padding comes back, and the empty
+        # gradients autograd passes on share no storage with it: nothing would ever wait.
+        comm, replicas = comm.synchronous(), [r.synchronous() for r in replicas]
     return _Level(padded, comm, tuple(replicas), started, dims, sizes)
 
 

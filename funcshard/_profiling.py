@@ -6,30 +6,57 @@ follow ``functional_call`` with non-leaf parameters (see ``shared/notes``).
 
 from __future__ import annotations
 
-import torch
-from torch.profiler import ProfilerActivity, profile
+from collections.abc import Iterator
+
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile, record_function
+
+_MARK = "funcshard::peak_bytes"
 
 
 def peak_bytes(fn, *, this_thread: bool = False) -> tuple[int, object]:
     """(highest running total of CPU allocations minus frees during ``fn()``, its result).
 
-    ``this_thread``: count only allocations made by the calling thread (not, e.g., the
-    temporaries gloo's worker threads allocate for collectives in flight).
+    ``this_thread``: count only memory allocated by the calling thread (not, e.g., the
+    temporaries gloo's worker threads allocate for collectives in flight), wherever it is freed.
+
+    [Note: own allocations, freed by any thread]
+    A tensor the calling thread allocates may be freed on a communication thread (the last
+    reference to a collective's input dies with its c10d work object). Counting frees by thread
+    would then depend on timing; matching each free to its allocation by address does not.
+    Frees of memory allocated before the call count when the calling thread makes them.
     """
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
-    main = _thread_of(prof) if this_thread else None
+    activities = [ProfilerActivity.CPU]
+    with profile(activities=activities, profile_memory=True) as prof, record_function(_MARK):
+        result = fn()  # _MARK names the calling thread in the trace
+    events = sorted(_allocations(prof), key=lambda e: e.start_time_ns)
+    main = next(e.start_tid for e in _walk(prof) if e.name == _MARK) if this_thread else None
+    owned: dict[int, int] = {}
     total = peak = 0
     for e in events:
-        if e.device_type() == torch.autograd.DeviceType.CPU and main in (None, e.start_thread_id()):
-            total += e.nbytes()
-            peak = max(peak, total)
+        ptr, size = e.typed[1].ptr, e.typed[1].alloc_size
+        if size > 0 and main in (None, e.start_tid):
+            owned[ptr] = size
+        elif size > 0:
+            continue
+        elif ptr in owned:
+            size = -owned.pop(ptr)
+        elif main not in (None, e.start_tid):
+            continue
+        total += size
+        peak = max(peak, total)
     return peak, result
 
 
-def _thread_of(prof) -> int:
-    """The profiler's id of the thread that ran the profiled code (its first op)."""
-    ops = [e for e in prof.profiler.kineto_results.events() if e.name() != "[memory]"]
-    return min(ops, key=lambda e: e.start_ns()).start_thread_id()
+def _walk(prof) -> Iterator:
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        yield e
+        stack.extend(e.children)
+
+
+def _allocations(prof) -> Iterator:
+    for e in _walk(prof):
+        if e.typed[0] == _EventType.Allocation and e.typed[1].device.type == "cpu":
+            yield e

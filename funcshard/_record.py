@@ -24,16 +24,11 @@ def record_order(module: nn.Module, groups, example_args: Any, example_kwargs) -
     """
     group_of = {p: g.name for g in groups for p in g.params}
     shapes = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-    runs: list[str] = []
-
-    def resolve(fqn: str) -> torch.Tensor:
-        if not runs or runs[-1] != group_of[fqn]:
-            runs.append(group_of[fqn])
-        t = shapes[fqn]
-        return torch.empty(t.shape, dtype=t.dtype, device="meta")
-
-    params = {p: Deferred(p, shapes[p].shape, shapes[p].dtype, "meta", resolve) for p in group_of}
-    buffers = {k: torch.empty_like(b, device="meta") for k, b in module.named_buffers()}
+    recorder = _Recorder(group_of, shapes)
+    params = {p: Deferred(p, shapes[p].shape, shapes[p].dtype, "meta", recorder) for p in group_of}
+    # buffers and parameters in no group (ignored ones) take part as data-less meta tensors
+    others = {k: t for k, t in shapes.items() if k not in group_of}
+    buffers = {k: torch.empty_like(t, device="meta") for k, t in others.items()}
     to_meta = lambda x: torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x
     args = example_args if isinstance(example_args, tuple) else (example_args,)
     args, kwargs = optree.tree_map(to_meta, (args, example_kwargs or {}), none_is_leaf=True)
@@ -45,4 +40,25 @@ def record_order(module: nn.Module, groups, example_args: Any, example_kwargs) -
             f"plan: the dry run of {type(module).__name__} on meta tensors failed ({e!r}). Pass "
             "the forward order of the groups explicitly with plan(..., order=[...])."
         ) from e
-    return runs
+    return recorder.runs
+
+
+class _Recorder:
+    """A resolver that logs the groups used and answers with meta tensors."""
+
+    def __init__(self, group_of: dict[str, str], shapes: dict[str, torch.Tensor]) -> None:
+        self.group_of, self.shapes = group_of, shapes
+        self.runs: list[str] = []
+
+    def resolve(self, fqns) -> list[torch.Tensor]:
+        out = []
+        for fqn in fqns:
+            group = self.group_of[fqn]
+            if not self.runs or self.runs[-1] != group:
+                self.runs.append(group)
+            t = self.shapes[fqn]
+            out.append(torch.empty(t.shape, dtype=t.dtype, device="meta"))
+        return out
+
+    def release(self) -> None:
+        pass

@@ -54,7 +54,7 @@ from . import _flat, _sink
 from ._collectives import Notify, async_allowed
 from ._consensus import agree, leaf
 from ._deferred import Deferred
-from ._extract import functional_call
+from ._extract import aliases, functional_call
 from ._plan import Plan, Step
 from ._spec import LocalShard, as_local, check_materialized
 from .transforms._unshard import reduce_mean
@@ -92,11 +92,13 @@ def schedule(
     """
     mean = reduce_mean(grad_reduce)
     group_of = plan.group_of()
+    tied = aliases(module)
+    unplanned = [n for n, _ in module.named_parameters() if n not in group_of and n not in tied]
 
     def apply(sharded: Mapping[str, Any], *args: Any, buffers=None, **kwargs: Any) -> Any:
-        params = _check_tree(sharded, group_of)
+        params = _check_tree(sharded, group_of, unplanned)
         run = _Run(plan, sharded, _flat.Options("", param_dtype, reduce_dtype, mean))
-        deferred = {fqn: Deferred(fqn, *run.metadata(fqn), run.resolve) for fqn in group_of}
+        deferred = {fqn: Deferred(fqn, *run.metadata(fqn), run) for fqn in group_of}
         with run.saved_tensor_hooks():
             out = functional_call(module, ({**params, **deferred}, buffers or {}), args, kwargs)
         run.end_forward()
@@ -105,7 +107,7 @@ def schedule(
     return apply
 
 
-def _check_tree(sharded, group_of) -> dict[str, Any]:
+def _check_tree(sharded, group_of, unplanned) -> dict[str, Any]:
     """The entries passed through unchanged (those outside the plan's groups)."""
     if not isinstance(sharded, Mapping):
         raise TypeError(
@@ -117,6 +119,14 @@ def _check_tree(sharded, group_of) -> dict[str, Any]:
         raise ValueError(
             f"schedule: parameters {missing} of the plan are missing from the sharded tree; pass "
             "the dict from fs.shard(fs.extract(module)[0], mesh) for the module of the plan."
+        )
+    absent = [n for n in unplanned if n not in sharded]
+    if absent:
+        raise ValueError(
+            f"schedule: the module's parameters {absent} are in no group of the plan and not in "
+            "the tree. Pass ignored parameters as plain tensors. If they are tied to planned "
+            "ones, the tie was lost: call fs.extract on the very module you schedule, before "
+            "moving it to meta (a copy made afterwards has its ties broken and unrecorded)."
         )
     extra = {k: v for k, v in sharded.items() if k not in group_of}
     stray = [k for k, v in extra.items() if isinstance(v, DTensor | LocalShard)]
@@ -279,6 +289,8 @@ class _Run:
         self.in_forward = True
         self.owner: dict[int, str] = {}  # storage data_ptr -> group, while unsharded
         self.range = None
+        self.holding: set[str] = set()  # groups the operation being resolved uses
+        self.held_frees: list[_Group] = []
 
     # ---- what the module sees ------------------------------------------------------------
     def metadata(self, fqn: str):
@@ -286,13 +298,23 @@ class _Run:
         local = state.locals[i]
         return state.layouts[i].levels[0], state.opts.param_dtype or local.dtype, local.device
 
-    def resolve(self, fqn: str) -> torch.Tensor:
-        state, i = self.index[fqn]
-        if self.in_forward:
-            self._use(self.forward, state.name)
-        else:  # the module kept a Deferred and used it after forward
-            self._ensure(state.name)
-        return state.fulls[i]
+    def resolve(self, fqns) -> list[torch.Tensor]:
+        """The full tensors for one operation (see ``_deferred.Resolver``)."""
+        places = [self.index[fqn] for fqn in fqns]
+        self.holding = {state.name for state, _ in places}
+        for state in dict.fromkeys(state for state, _ in places):
+            if self.in_forward:
+                self._use(self.forward, state.name)
+            else:  # the module kept a Deferred and used it after forward
+                self._ensure(state.name)
+        return [state.fulls[i] for state, i in places]
+
+    def release(self) -> None:
+        """The operation ran: do the frees held back while it needed its groups."""
+        self.holding = set()
+        held, self.held_frees = self.held_frees, []
+        for state in held:
+            self._free(state)
 
     # ---- moving through the plan ---------------------------------------------------------
     def _use(self, cursor: _Cursor, group: str) -> None:
@@ -316,7 +338,10 @@ class _Run:
         elif step.op == "wait":
             self._materialize(state)
         elif step.op == "free" and self.tracking and (direction == "forward" or state.frozen):
-            self._free(state)
+            if state.name in self.holding:  # needed by the operation being resolved
+                self.held_frees.append(state)
+            else:
+                self._free(state)
         # other backward frees and reduce-scatters happen when autograd finishes the group
         # (Notify); a frozen group has no gradients to wait for: freed when the plan moves on
 

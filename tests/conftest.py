@@ -12,6 +12,12 @@ def _world(size: int) -> World:
 
 
 @pytest.fixture(scope="session")
+def worlds():
+    """``worlds(n)``: the pool of ``n`` ranks (started on first use, kept for the session)."""
+    return _world
+
+
+@pytest.fixture(scope="session")
 def world2() -> World:
     return _world(2)
 

@@ -38,6 +38,8 @@ def long_run(mode: str, steps: int = 34, warmup: int = 4):
             _step(mode, loss_fn, sharded, tokens(dist.get_rank(), step=step))
         if step in (warmup - 1, steps - 1):
             counts.append(_live_tensors())
+    # no collective left pending: c10d's registry would keep it (and warn, or abort, at exit)
+    assert torch._C._distributed_c10d._get_work_registry_size() == 0
     return counts
 
 

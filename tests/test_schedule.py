@@ -307,8 +307,9 @@ def memory(prefetch, reshard, mode):
     if mode == "forward":
         with torch.no_grad():
             peak, _ = peak_bytes(lambda: apply(sharded, x))
-    else:
-        peak, _ = peak_bytes(lambda: fs.value_and_grad(lambda p: apply(p, x).sum())(sharded))
+    else:  # this thread's own allocations: deterministic, whatever gloo's threads are doing
+        step = lambda: fs.value_and_grad(lambda p: apply(p, x).sum())(sharded)
+        peak, _ = peak_bytes(step, this_thread=True)
     return peak / block, world
 
 
@@ -326,9 +327,14 @@ def test_forward_memory_stays_in_the_prefetch_window(world2, prefetch):
 
 
 def test_step_memory_below_unsharded(world2):
-    peak, _ = world2.run(memory, 1, True, "step")[0]
+    """A whole step's peak (funcshard's own allocations: gloo's scratch buffers come and go
+    with timing), in full blocks: the 10 blocks' sharded gradients (10 / W) plus, in backward,
+    at most 4 full blocks -- the group computing, its full gradient, the next group's prefetch
+    buffer and the previous group until its post-backward free -- and a 1/W prefetch input.
+    Without resharding all 10 blocks stay unsharded."""
+    peak, world = world2.run(memory, 1, True, "step")[0]
     kept, _ = world2.run(memory, 1, False, "step")[0]
-    assert peak < kept - 1, (peak, kept)
+    assert peak <= 10 / world + 4 + 1 / world < 10 <= kept, (peak, kept)
 
 
 def trace(prefetch):
