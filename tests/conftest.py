@@ -1,26 +1,18 @@
+"""Session-scoped rank pools from ``funcshard.testing``: ``world2.run(fn, *args)`` runs ``fn`` on
+every rank of a 2-rank gloo process group and returns the per-rank results."""
+
 import pytest
 
-from _world import World
-
-_worlds: dict[int, World] = {}
-
-
-def _world(size: int) -> World:
-    if size not in _worlds:
-        _worlds[size] = World(size)
-    return _worlds[size]
+import funcshard as fs
 
 
 @pytest.fixture(scope="session")
-def world2() -> World:
-    return _world(2)
+def world2():
+    with fs.testing.Pool(2, timeout=240) as pool:
+        yield pool
 
 
 @pytest.fixture(scope="session")
-def world4() -> World:
-    return _world(4)
-
-
-def pytest_sessionfinish(session, exitstatus):
-    for w in _worlds.values():
-        w.close()
+def world4():
+    with fs.testing.Pool(4, timeout=240) as pool:
+        yield pool
