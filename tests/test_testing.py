@@ -4,6 +4,7 @@ reference_value_and_grad (against hand-computed gradients) and check_plan."""
 from __future__ import annotations
 
 import collections
+import gc
 import os
 import subprocess
 import sys
@@ -213,6 +214,29 @@ def test_two_pools_alive_at_once_do_not_collide():
             a.run(_rank_1_raises)
         assert [v for v, _ in b.run(total, 0.0)] == [3.0] * 3  # ... leaves the other alone
         assert [v for v, _ in a.run(total, 0.0)] == [1.0] * 2
+
+
+def _gone(pid: int) -> bool:
+    for _ in range(100):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_dropped_pool_stops_its_ranks():
+    pool = fs.testing.Pool(2)
+    pids = pool.run(os.getpid)
+    del pool
+    gc.collect()
+    assert all(_gone(pid) for pid in pids)
+    with fs.testing.Pool(2) as pool:
+        pids = pool.run(os.getpid)
+    assert all(_gone(pid) for pid in pids)
+    with pytest.raises(ValueError, match="timeout must be > 0"):
+        pool.run(os.getpid, timeout=0)
 
 
 # ---- assert_close ------------------------------------------------------------------------------

@@ -27,7 +27,6 @@ often raise the same one) before they are stopped.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import functools
@@ -41,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -79,6 +79,35 @@ class _Rank:
     conn: mp.connection.Connection
 
 
+@dataclasses.dataclass
+class _Live:
+    """A pool's running ranks (none when stopped) and their scratch directory. Apart from the
+    pool so that a pool dropped without ``close()`` is stopped by its finalizer."""
+
+    ranks: list[_Rank] = dataclasses.field(default_factory=list)
+    directory: str | None = None
+
+    def stop(self, kill: bool) -> None:
+        for r in self.ranks:
+            try:
+                if kill:
+                    r.process.kill()
+                else:
+                    r.conn.send_bytes(b"")
+            except OSError:
+                r.process.kill()
+        for r in self.ranks:
+            r.process.join(5)
+            if r.process.is_alive():
+                r.process.kill()
+                r.process.join()
+            r.conn.close()
+        self.ranks.clear()
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory = None
+
+
 class Pool:
     """``world`` rank processes with the default process group initialised, reused across calls.
 
@@ -112,14 +141,14 @@ class Pool:
         if not timeout > 0:
             raise ValueError(f"Pool: timeout must be > 0 seconds, got {timeout!r}.")
         self.world, self.backend, self.timeout, self.threads = world, backend, timeout, threads
-        self._ranks: list[_Rank] = []
+        self._live = _Live()
         self._store: dist.TCPStore | None = None
         self._starts = 0
-        self._directory: str | None = None
         self._lock = threading.Lock()
+        weakref.finalize(self, self._live.stop, False)  # also at exit
 
     def __repr__(self) -> str:
-        state = "running" if self._ranks else "stopped"
+        state = "running" if self._live.ranks else "stopped"
         return f"Pool(world={self.world}, backend={self.backend!r}, {state})"
 
     def __enter__(self) -> Pool:
@@ -146,35 +175,38 @@ class Pool:
                 not finish within ``timeout`` (naming them, with their stacks). The ranks are
                 stopped, and restarted by the next call.
             TypeError: ``fn`` or its arguments cannot be pickled.
+            ValueError: ``timeout <= 0``.
             RuntimeError: called inside a rank of a pool.
         """
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"Pool.run: timeout must be > 0 seconds, got {timeout!r}.")
         payload = _dumps(fn, args, kwargs)
         name = getattr(fn, "__qualname__", repr(fn))
         with self._lock:
             if not self._alive():
                 self._start()
             try:
-                for r in self._ranks:
+                for r in self._live.ranks:
                     r.conn.send_bytes(payload)
                 timeout = self.timeout if timeout is None else timeout
                 replies = self._collect(timeout)
                 self._echo()
                 return self._results(name, replies, timeout)
             except BaseException:
-                self._stop(kill=True)
+                self._live.stop(kill=True)
                 raise
 
     def close(self) -> None:
         """Stop the ranks (a later :meth:`run` starts new ones)."""
         with self._lock:
-            self._stop(kill=False)
+            self._live.stop(kill=False)
             self._store = None
 
     # ---- starting and stopping ---------------------------------------------------------
     def _alive(self) -> bool:
-        if self._ranks and all(r.process.is_alive() for r in self._ranks):
+        if self._live.ranks and all(r.process.is_alive() for r in self._live.ranks):
             return True
-        self._stop(kill=True)  # a rank exited between calls: start afresh
+        self._live.stop(kill=True)  # a rank exited between calls: start afresh
         return False
 
     def _start(self) -> None:
@@ -188,7 +220,7 @@ class Pool:
         if self._store is None:  # See [Note: rendezvous without ports]
             self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self._starts += 1
-        self._directory = tempfile.mkdtemp(prefix="funcshard-testing-")
+        self._live.directory = tempfile.mkdtemp(prefix="funcshard-testing-")
         ctx = _context()
         for rank in range(self.world):
             setup = Setup(
@@ -199,7 +231,7 @@ class Pool:
                 f"funcshard.testing/{id(self)}/{self._starts}/",
                 self.timeout,
                 self.threads,
-                self._directory,
+                self._live.directory,
             )
             parent, child = ctx.Pipe()
             process = ctx.Process(
@@ -207,33 +239,13 @@ class Pool:
             )
             process.start()
             child.close()
-            self._ranks.append(_Rank(process, parent))
+            self._live.ranks.append(_Rank(process, parent))
         try:
             replies = self._collect(_START_TIMEOUT)
             self._results("starting the ranks", replies, _START_TIMEOUT)
         except BaseException:
-            self._stop(kill=True)
+            self._live.stop(kill=True)
             raise
-
-    def _stop(self, kill: bool) -> None:
-        for r in self._ranks:
-            try:
-                if kill:
-                    r.process.kill()
-                else:
-                    r.conn.send_bytes(b"")
-            except OSError:
-                r.process.kill()
-        for r in self._ranks:
-            r.process.join(5)
-            if r.process.is_alive():
-                r.process.kill()
-                r.process.join()
-            r.conn.close()
-        self._ranks = []
-        if self._directory is not None:
-            shutil.rmtree(self._directory, ignore_errors=True)
-            self._directory = None
 
     # ---- one call ----------------------------------------------------------------------
     def _collect(self, timeout: float) -> dict[int, Reply]:
@@ -243,7 +255,7 @@ class Pool:
         replies: dict[int, Reply] = {}
         while len(replies) < self.world:
             waiting = {}
-            for i, r in enumerate(self._ranks):
+            for i, r in enumerate(self._live.ranks):
                 if i not in replies:
                     waiting[r.conn] = waiting[r.process.sentinel] = i
             ready = mp.connection.wait(list(waiting), max(0.0, deadline - time.monotonic()))
@@ -256,7 +268,7 @@ class Pool:
         return replies
 
     def _receive(self, i: int) -> Reply:
-        r = self._ranks[i]
+        r = self._live.ranks[i]
         try:
             return pickle.loads(r.conn.recv_bytes())
         except (EOFError, OSError):
@@ -284,12 +296,12 @@ class Pool:
 
     def _stacks(self, ranks: tuple[int, ...]) -> dict[int, str]:
         """The Python stacks of the live ``ranks``, dumped by faulthandler on SIGUSR1."""
-        if not ranks or not hasattr(signal, "SIGUSR1") or self._directory is None:
+        if not ranks or not hasattr(signal, "SIGUSR1") or self._live.directory is None:
             return {}
-        paths = {i: _rank.files(self._directory, i)["stack"] for i in ranks}
+        paths = {i: _rank.files(self._live.directory, i)["stack"] for i in ranks}
         for i in ranks:
-            if self._ranks[i].process.is_alive():
-                os.kill(self._ranks[i].process.pid, signal.SIGUSR1)
+            if self._live.ranks[i].process.is_alive():
+                os.kill(self._live.ranks[i].process.pid, signal.SIGUSR1)
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline and not all(_size(p) for p in paths.values()):
             time.sleep(0.02)
@@ -298,11 +310,11 @@ class Pool:
 
     def _echo(self) -> None:
         """What the ranks printed during the call, to this process's stdout / stderr."""
-        if self._directory is None:
+        if self._live.directory is None:
             return
         for i in range(self.world):
             for kind, stream in (("out", sys.stdout), ("err", sys.stderr)):
-                path = _rank.files(self._directory, i)[kind]
+                path = _rank.files(self._live.directory, i)[kind]
                 text = path.read_text(errors="replace") if _size(path) else ""
                 if text:
                     stream.write("".join(f"[rank {i}] {line}\n" for line in text.splitlines()))
@@ -386,7 +398,7 @@ _SHARED_LOCK = threading.Lock()
 def run(fn: Callable[..., Any], *args: Any, world: int = 2, timeout: float = 60.0, **kwargs):
     """``fn(*args, **kwargs)`` on ``world`` gloo ranks; the per-rank results in rank order.
 
-    Uses one pool per world size, started on first use and kept for the next calls (closed at
+    Uses one pool per world size, started on first use and kept for the next calls (stopped at
     exit): a trivial ``fn`` returns in milliseconds after the first call. ``fn`` runs with the
     default process group initialised; see :meth:`Pool.run` for arguments, results and errors.
     Rank processes are reused, so module state set by one call is seen by the next: seed RNGs
@@ -401,9 +413,3 @@ def run(fn: Callable[..., Any], *args: Any, world: int = 2, timeout: float = 60.
             _SHARED[world] = Pool(world)
         pool = _SHARED[world]
     return pool.run(fn, *args, timeout=timeout, **kwargs)
-
-
-@atexit.register
-def _close_shared() -> None:
-    for pool in _SHARED.values():
-        pool.close()
