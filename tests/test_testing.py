@@ -6,10 +6,12 @@ from __future__ import annotations
 import collections
 import gc
 import os
+import pickle
 import subprocess
 import sys
 import threading
 import time
+from unittest.mock import ANY
 
 import pytest
 import torch
@@ -80,6 +82,7 @@ def test_rank_output_is_echoed(capsys):
 
 _COLD = """
 import time
+from unittest.mock import ANY
 t0 = time.perf_counter()
 import torch.distributed as dist
 import funcshard as fs
@@ -123,7 +126,9 @@ def _rank_1_raises():
 
 def test_exception_names_rank_and_traceback_then_ranks_restart():
     before = fs.testing.run(os.getpid)
-    with pytest.raises(fs.testing.RankError, match="failed on rank 1 ") as info:
+    with pytest.raises(
+        fs.testing.RankError, match="failed on rank 1: rank 1 raised ValueError"
+    ) as info:
         fs.testing.run(_rank_1_raises)
     message = str(info.value)
     assert "ValueError: rank 1 disagrees" in message
@@ -132,6 +137,8 @@ def test_exception_names_rank_and_traceback_then_ranks_restart():
     assert isinstance(info.value.__cause__, ValueError)
     assert list(info.value.errors) == [1] and info.value.unfinished == (0,)
     assert "rank 0, stack when stopped" in message and "in barrier" in message
+    copy = pickle.loads(pickle.dumps(info.value))  # e.g. for pytest-xdist
+    assert (str(copy), copy.errors, copy.unfinished) == (message, {1: ANY}, (0,))
     after = fs.testing.run(os.getpid)
     assert not set(before) & set(after)  # killed and restarted
 

@@ -157,7 +157,9 @@ class Pool:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs):
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any
+    ) -> list:
         """``fn(*args, **kwargs)`` on every rank; the results, by value, in rank order.
 
         ``fn`` and its arguments are pickled with cloudpickle (lambdas and local functions
@@ -273,7 +275,7 @@ class Pool:
             return pickle.loads(r.conn.recv_bytes())
         except (EOFError, OSError):
             r.process.join(1)
-            return Reply("died", f"rank {i} exited with code {r.process.exitcode}\n")
+            return Reply("died", f"exited with code {r.process.exitcode}\n")
 
     def _results(self, name: str, replies: dict[int, Reply], timeout: float) -> list:
         unfinished = tuple(i for i in range(self.world) if i not in replies)
@@ -344,17 +346,18 @@ def _error(name, failed, unfinished, stacks, timeout) -> RankError:
     """One message for everything that went wrong, tracebacks and stacks included."""
     lines = []
     if failed:
-        kinds = {"err": "raised", "died": "died", "ready": "", "ok": ""}
         first = min(failed)
+        verb = "raised " if failed[first].status == "err" else ""
         lines.append(
-            f"{name} failed on rank{'s' if len(failed) > 1 else ''} {_ranks(failed)} "
-            f"({kinds[failed[first].status]} first: rank {first}: {_last_line(failed[first])})."
+            f"{name} failed on rank{'s' if len(failed) > 1 else ''} {_ranks(failed)}: "
+            f"rank {first} {verb}{_last_line(failed[first])}"
         )
     if unfinished:
-        why = "after another rank failed" if failed else f"within {timeout:g} s"
+        many = len(unfinished) > 1
+        why = "(waiting for it?)" if failed else f"within {timeout:g} s (hung in a collective?)"
         lines.append(
-            f"Rank{'s' if len(unfinished) > 1 else ''} {_ranks(unfinished)} did not finish "
-            f"{name} {why} (hung in a collective?); their stacks are below."
+            f"Rank{'s' if many else ''} {_ranks(unfinished)} did not finish {name} {why}; "
+            f"{'their stacks are' if many else 'its stack is'} below."
         )
     lines.append("The ranks were stopped; the next call starts new ones.")
     by_text: dict[str, list[int]] = {}
@@ -395,7 +398,9 @@ _SHARED: dict[int, Pool] = {}
 _SHARED_LOCK = threading.Lock()
 
 
-def run(fn: Callable[..., Any], *args: Any, world: int = 2, timeout: float = 60.0, **kwargs):
+def run(
+    fn: Callable[..., Any], *args: Any, world: int = 2, timeout: float = 60.0, **kwargs: Any
+) -> list:
     """``fn(*args, **kwargs)`` on ``world`` gloo ranks; the per-rank results in rank order.
 
     Uses one pool per world size, started on first use and kept for the next calls (stopped at
