@@ -52,6 +52,12 @@ from ._rank import Reply, Setup
 
 _GRACE = 1.0  # seconds the other ranks get to report after one failed
 _START_TIMEOUT = 120.0  # seconds for ranks to start and join (a first torch import included)
+_DIED_STARTING = (
+    "A rank that exits while starting usually could not import the main module, which "
+    "multiprocessing re-imports in every rank: call fs.testing from a script under "
+    "`if __name__ == '__main__':`, not from a program read from stdin. The rank's own error is "
+    "on this process's stderr."
+)
 
 
 class RankError(Exception):
@@ -244,7 +250,7 @@ class Pool:
             self._live.ranks.append(_Rank(process, parent))
         try:
             replies = self._collect(_START_TIMEOUT)
-            self._results("starting the ranks", replies, _START_TIMEOUT)
+            self._results("starting the ranks", replies, _START_TIMEOUT, _DIED_STARTING)
         except BaseException:
             self._live.stop(kill=True)
             raise
@@ -277,12 +283,14 @@ class Pool:
             r.process.join(1)
             return Reply("died", f"exited with code {r.process.exitcode}\n")
 
-    def _results(self, name: str, replies: dict[int, Reply], timeout: float) -> list:
+    def _results(self, name: str, replies: dict[int, Reply], timeout: float, died: str = ""):
+        """The results in rank order, or the RankError (``died``: a hint if a rank died)."""
         unfinished = tuple(i for i in range(self.world) if i not in replies)
         failed = {i: rep for i, rep in replies.items() if rep.status not in ("ok", "ready")}
         if failed or unfinished:
             stacks = self._stacks(unfinished)
-            raise _error(name, failed, unfinished, stacks, timeout)
+            hint = died if any(r.status == "died" for r in failed.values()) else ""
+            raise _error(name, failed, unfinished, stacks, timeout, hint)
         results = []
         for i in range(self.world):
             blob = replies[i].blob
@@ -342,7 +350,7 @@ def _dumps(fn, args, kwargs) -> bytes:
         ) from e
 
 
-def _error(name, failed, unfinished, stacks, timeout) -> RankError:
+def _error(name, failed, unfinished, stacks, timeout, hint) -> RankError:
     """One message for everything that went wrong, tracebacks and stacks included."""
     lines = []
     if failed:
@@ -360,6 +368,8 @@ def _error(name, failed, unfinished, stacks, timeout) -> RankError:
             f"{'their stacks are' if many else 'its stack is'} below."
         )
     lines.append("The ranks were stopped; the next call starts new ones.")
+    if hint:
+        lines.append(hint)
     by_text: dict[str, list[int]] = {}
     for i, rep in sorted(failed.items()):
         by_text.setdefault(rep.text, []).append(i)
