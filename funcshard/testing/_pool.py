@@ -5,9 +5,11 @@ Ranks are forked from multiprocessing's *forkserver*, which imports torch and fu
 (``set_forkserver_preload``): the first pool of a process pays for one import of torch
 (seconds), later ranks start in milliseconds. Plain ``fork`` is never used: the test process may
 run gloo, OpenMP or CUDA threads that a forked child would inherit in an unknown state; the
-forkserver is a fresh single-threaded process. Where there is no forkserver (Windows), ranks are
-spawned. As with any multiprocessing start method but ``fork``, a script that calls ``run`` at
-import time must do so under ``if __name__ == "__main__":``.
+forkserver is a fresh single-threaded process. The preload list is set when the first pool
+starts; if this process's forkserver was already running, ranks import torch themselves (slower,
+still correct). Where there is no forkserver (Windows), ranks are spawned. As with any
+multiprocessing start method but ``fork``, a script that calls ``run`` at import time must do so
+under ``if __name__ == "__main__":`` (multiprocessing re-imports the main module in the ranks).
 
 [Note: rendezvous without ports]
 The pool's parent opens a ``TCPStore`` on 127.0.0.1 with port 0 (the OS picks a free one, so
