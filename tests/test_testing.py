@@ -254,6 +254,7 @@ def _assert_close_on_rank():
     sharded = {"a": fs.shard({"a": full["a"]}, mesh)["a"], "b": [full["b"][0], None]}
     fs.testing.assert_close(sharded, full)  # DTensor vs full, plain vs plain, None vs None
     fs.testing.assert_close(fs.to_local(sharded), full)  # LocalShard leaves
+    fs.testing.assert_close(full, sharded)  # sharded expected values are gathered too
     # one rank's shard off: the gathered tensor differs on every rank
     off = sharded["a"].to_local() + (1.0 if dist.get_rank() == 1 else 0.0)
     a = sharded["a"]

@@ -48,7 +48,7 @@ def assert_close(
     Args:
         actual: a tree of DTensors (compared as their ``full_tensor()``), LocalShards (likewise),
             plain tensors (compared as they are: e.g. this rank's loss) or numbers.
-        expected: a tree of the same structure, with full tensors.
+        expected: a tree of the same structure: full tensors (or sharded ones, gathered too).
         rtol, atol, kwargs: passed to ``torch.testing.assert_close`` (defaults by dtype;
             ``check_dtype=False`` to compare across dtypes, ...).
 
@@ -62,6 +62,7 @@ def assert_close(
         raise AssertionError(f"assert_close: {e}") from None
     paths, expected_leaves, _ = flatten(expected)
     fulls = [_full(leaf) for leaf in leaves]
+    expected_leaves = [_full(leaf) for leaf in expected_leaves]
     failures = []
     for path, a, e in zip(paths, fulls, expected_leaves, strict=True):
         try:
