@@ -132,6 +132,8 @@ class Pool:
         threads: ``torch.set_num_threads`` on each rank (``None``: torch's default). One thread
             per rank keeps several ranks on a few cores from fighting over them.
 
+    The arguments are kept as the attributes ``world``, ``backend``, ``timeout``, ``threads``.
+
     Raises:
         ValueError: ``world < 1`` or ``timeout <= 0``.
     """
