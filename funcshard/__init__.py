@@ -1,6 +1,6 @@
 """funcshard: functional ZeRO-3 sharding for PyTorch, as pure transforms over pytrees."""
 
-from . import policy
+from . import policy, testing
 from ._autodiff import grad, per_sample_grad, value_and_grad
 from ._extract import extract, functional_call
 from ._grouping import group
@@ -28,6 +28,7 @@ __all__ = [
     "reduce",
     "schedule",
     "shard",
+    "testing",
     "to_local",
     "tree_map",
     "unshard",

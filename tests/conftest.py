@@ -1,32 +1,40 @@
+"""Session-scoped rank pools from ``funcshard.testing``: ``world2.run(fn, *args)`` runs ``fn`` on
+every rank of a 2-rank gloo process group and returns the per-rank results. ``worlds(n)`` gives
+the pool of ``n`` ranks; each size is started once, on first use, and shared by all fixtures."""
+
 import pytest
 
-from _world import World
+import funcshard as fs
 
-_worlds: dict[int, World] = {}
+_pools: dict[int, fs.testing.Pool] = {}
 
 
-def _world(size: int) -> World:
-    if size not in _worlds:
-        _worlds[size] = World(size)
-    return _worlds[size]
+def _pool(size: int) -> fs.testing.Pool:
+    if size not in _pools:
+        _pools[size] = fs.testing.Pool(size, timeout=240)
+    return _pools[size]
 
 
 @pytest.fixture(scope="session")
 def worlds():
-    """``worlds(n)``: the pool of ``n`` ranks (started on first use, kept for the session)."""
-    return _world
+    return _pool
 
 
 @pytest.fixture(scope="session")
-def world2() -> World:
-    return _world(2)
+def world1():
+    return _pool(1)
 
 
 @pytest.fixture(scope="session")
-def world4() -> World:
-    return _world(4)
+def world2():
+    return _pool(2)
+
+
+@pytest.fixture(scope="session")
+def world4():
+    return _pool(4)
 
 
 def pytest_sessionfinish(session, exitstatus):
-    for w in _worlds.values():
-        w.close()
+    for pool in _pools.values():
+        pool.close()

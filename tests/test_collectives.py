@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from _world import mesh
+from _mesh import mesh
 
 
 def gloo_clones_reduce_scatter_input():

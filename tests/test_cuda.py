@@ -11,17 +11,16 @@ import torch.distributed as dist
 
 import funcshard as fs
 
+from _mesh import mesh
 from _models import Block, lm_loss, make, reference_step, tokens
-from _world import World, mesh
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 @pytest.fixture(scope="module")
 def gpus():
-    world = World(torch.cuda.device_count(), backend="nccl")
-    yield world
-    world.close()
+    with fs.testing.Pool(torch.cuda.device_count(), backend="nccl", timeout=240) as pool:
+        yield pool
 
 
 def cuda_step(param_dtype):

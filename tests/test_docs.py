@@ -1,4 +1,8 @@
-"""The documentation runs: every ```python block of docs/*.md, as written, on 2 gloo ranks."""
+"""The documentation runs: every ```python block of docs/*.md, as written, on 2 gloo ranks.
+
+A page marked with ``<!-- blocks run in the test process -->`` (testing.md) shows what users
+write in a test file: its blocks run here, in the pytest process, and start ranks themselves.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import funcshard as fs
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 _BLOCK = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.DOTALL | re.MULTILINE)
 _LINK = re.compile(r"\]\(([\w.-]+\.md)(?:#[\w-]*)?\)")
+_IN_TEST_PROCESS = "<!-- blocks run in the test process -->"
 
 
 def _pages() -> list[Path]:
@@ -25,10 +30,11 @@ def _blocks(page: Path) -> list[str]:
     return ["\n" * text.count("\n", 0, m.start(1)) + m.group(1) for m in _BLOCK.finditer(text)]
 
 
-def _params():
+def _params(in_test_process: bool):
     return [
         pytest.param(source, f"docs/{page.name}", id=f"{page.name}:{i}")
         for page in _pages()
+        if (_IN_TEST_PROCESS in page.read_text()) == in_test_process
         for i, source in enumerate(_blocks(page), start=1)
     ]
 
@@ -39,9 +45,14 @@ def _exec_block(source: str, filename: str) -> bool:
     return True
 
 
-@pytest.mark.parametrize(("source", "filename"), _params())
+@pytest.mark.parametrize(("source", "filename"), _params(in_test_process=False))
 def test_block_runs(world2, source, filename):
     assert world2.run(_exec_block, source, filename, timeout=120) == [True, True]
+
+
+@pytest.mark.parametrize(("source", "filename"), _params(in_test_process=True))
+def test_block_runs_in_test_process(source, filename):
+    assert _exec_block(source, filename)
 
 
 def test_docs_exist():
@@ -62,13 +73,21 @@ def test_index_links_every_page():
 
 
 def _mentioned(name: str, text: str) -> bool:
-    """``name`` as code: ``fs.name``, ``funcshard.name``, ``policy.name`` or in backticks."""
-    return re.search(rf"(?:\bfs\.|\bfuncshard\.|\bpolicy\.|`){re.escape(name)}\b", text) is not None
+    """``name`` as code: ``fs.name``, ``funcshard.name``, ``policy.name``, ``testing.name`` or
+    in backticks."""
+    prefixes = r"\bfs\.|\bfuncshard\.|\bpolicy\.|\btesting\.|`"
+    return re.search(rf"(?:{prefixes}){re.escape(name)}\b", text) is not None
 
 
 @pytest.mark.parametrize(
-    "name", sorted(set(fs.__all__) | {f"policy.{n}" for n in fs.policy.__all__})
+    "name",
+    sorted(
+        set(fs.__all__)
+        | {f"policy.{n}" for n in fs.policy.__all__}
+        | {f"testing.{n}" for n in fs.testing.__all__}
+    ),
 )
 def test_public_name_is_documented(name):
     text = "\n".join(p.read_text() for p in _pages())
-    assert _mentioned(name.removeprefix("policy."), text), f"{name} is not mentioned in docs/"
+    short = name.removeprefix("policy.").removeprefix("testing.")
+    assert _mentioned(short, text), f"{name} is not mentioned in docs/"

@@ -15,7 +15,7 @@ import funcshard as fs
 from funcshard import _consensus
 
 from _checks import raises
-from _world import mesh
+from _mesh import mesh
 
 # ---- ranks that disagree -----------------------------------------------------------------------
 

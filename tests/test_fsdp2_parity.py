@@ -11,8 +11,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 import funcshard as fs
 
 from _comm import counts
+from _mesh import mesh
 from _models import Block, lm_loss, make, tokens
-from _world import mesh
 
 
 def fsdp2_vs_funcshard(mesh_shape, steps, param_dtype, batchnorm=True):

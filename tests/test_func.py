@@ -14,8 +14,8 @@ from torch.func import functional_call, grad, jacfwd, jacrev, jvp, vjp, vmap
 import funcshard as fs
 
 from _comm import Collectives
+from _mesh import mesh
 from _models import lm_loss, make, reference_step, shard_of, tokens
-from _world import mesh
 
 
 def _err(sharded_tree, full_tree):

@@ -28,8 +28,8 @@ from torch.distributed.fsdp.wrap import (
 
 import funcshard as fs
 
+from _mesh import mesh
 from _models import Block, TinyLM
-from _world import mesh
 
 # ---------------------------------------------------------------------------------------------
 # The reference: FSDP1's auto wrap (recording, not wrapping) + the seed's assignment.

@@ -16,8 +16,8 @@ import funcshard as fs
 from funcshard._profiling import peak_bytes
 
 from _checks import raises
+from _mesh import mesh
 from _models import lm_loss, reference_step, shard_of, tokens
-from _world import mesh
 
 VOCAB = 37
 

@@ -22,7 +22,7 @@ from torch.distributed.tensor import Shard
 
 import funcshard as fs
 
-from _world import mesh
+from _mesh import mesh
 
 D = 5  # feature width: odd, so shards are uneven on 2 and 4 ranks and empty on some
 
@@ -212,7 +212,7 @@ def _run(world, case):
     (model, ignored), policy, dims, prefetch, reshard = case
     names = [k for k, _ in model.named_parameters()]
     dims = {k: d for k, d in zip(names, dims, strict=False)}
-    assert world.run(check, model, ignored, policy, dims, prefetch, reshard) == [True] * world.size
+    assert world.run(check, model, ignored, policy, dims, prefetch, reshard) == [True] * world.world
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4])

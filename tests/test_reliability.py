@@ -14,8 +14,8 @@ from torch import nn
 import funcshard as fs
 
 from _comm import Collectives
+from _mesh import mesh
 from _models import Block, lm_loss, make, reference_step, shard_of, tokens
-from _world import mesh
 
 
 def _live_tensors() -> int:

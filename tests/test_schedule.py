@@ -17,8 +17,8 @@ import funcshard as fs
 from funcshard._profiling import peak_bytes
 
 from _comm import counts
+from _mesh import mesh
 from _models import Block, Wide, WideBlock, lm_loss, make, reference_step, shard_of, tokens
-from _world import mesh
 
 
 def _setup(mesh_shape=None, layers=2, batchnorm=True, **plan_kw):

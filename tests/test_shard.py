@@ -13,7 +13,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 import funcshard as fs
 
 from _checks import raises
-from _world import mesh
+from _mesh import mesh
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
 
@@ -186,4 +186,4 @@ def test_uneven_and_tiny_dims(request, world):
         ((0, 3), 0, (("S", 0),)),
         ((), 0, (("R",),)),
     ]
-    assert w.run(roundtrip, cases, (w.size,)) == [[]] * w.size
+    assert w.run(roundtrip, cases, (w.world,)) == [[]] * w.world

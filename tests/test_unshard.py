@@ -11,8 +11,8 @@ import funcshard as fs
 
 from _checks import raises
 from _comm import Collectives
+from _mesh import mesh
 from _models import lm_loss, make, reference_step, shard_of, tokens
-from _world import mesh
 
 _c10d = torch.ops._c10d_functional
 
