@@ -1,6 +1,6 @@
 """funcshard: functional ZeRO-3 sharding for PyTorch, as pure transforms over pytrees."""
 
-from . import policy
+from . import optim, policy
 from ._autodiff import grad, value_and_grad
 from ._extract import extract, functional_call
 from ._grouping import group
@@ -20,6 +20,7 @@ __all__ = [
     "functional_call",
     "grad",
     "group",
+    "optim",
     "plan",
     "policy",
     "reduce",
