@@ -185,6 +185,9 @@ def test_errors_name_the_key_and_the_fix():
         opt.update({"a": None, "b": None, "ids": None}, optim.sgd(0.1).init(params), params)
     with pytest.raises(ValueError, match=r"missing from adamw state\.mu: 'a'"):
         opt.update({"a": None, "b": None, "ids": None}, opt.init({"b": params["b"]}), params)
+    other = opt.init({"a": torch.ones(5), "b": params["b"], "ids": params["ids"]})
+    with pytest.raises(ValueError, match=r"state\.mu\['a'\] has shape and placements \[5\]"):
+        opt.update({"a": torch.ones(3), "b": None, "ids": None}, other, params)
     chained = optim.chain(optim.clip_by_global_norm(1.0), opt)
     with pytest.raises(ValueError, match="tuple of 2 states"):
         chained.update(params, state, params)

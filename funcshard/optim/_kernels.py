@@ -225,12 +225,14 @@ def _pair(fn: str, grads, params, state: dict | None = None) -> tuple[_Pairs, di
         if p is None:
             raise TypeError(f"{fn}: grads[{path!r}] has no parameter (it is None).")
         check_like(fn, path, g, p, "grads")
-        if any(leaves[i] is None for leaves in fields.values()):
-            raise ValueError(
-                f"{fn}: grads[{path!r}] is a gradient, but the optimizer state has no entry for "
-                "it (init saw a non-floating-point or None parameter there, or a mask left it "
-                "out); initialize the state from the parameters that are trained."
-            )
+        for field, leaves in fields.items():
+            if leaves[i] is None:
+                raise ValueError(
+                    f"{fn}: grads[{path!r}] is a gradient, but the optimizer state has no entry "
+                    "for it (init saw a non-floating-point or None parameter there, or a mask "
+                    "left it out); initialize the state from the parameters that are trained."
+                )
+            check_like(fn, path, leaves[i], p, f"state.{field}")
         active.append(i)
     return _Pairs(paths, spec, ps, gs, active), fields
 
