@@ -158,6 +158,14 @@ def test_apply_updates():
     assert same is params and params["b"].dtype == torch.bfloat16 and params["b"].item() == 2
 
 
+def test_updates_and_state_are_not_part_of_a_graph():
+    params = {"w": torch.ones(3, requires_grad=True)}
+    opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(0.1))
+    updates, state = opt.update({"w": torch.ones(3)}, opt.init(params), params)
+    assert updates["w"].grad_fn is None and not updates["w"].requires_grad
+    assert not state[1].mu["w"].requires_grad and optim.global_norm(params).grad_fn is None
+
+
 def test_sgd_without_momentum_keeps_no_buffers():
     state = optim.sgd(0.1).init({"w": torch.ones(3)})
     assert isinstance(state, optim.SgdState) and state.momentum is None

@@ -97,6 +97,7 @@ def check_like(fn: str, path: str, x: torch.Tensor, like: torch.Tensor, what: st
         )
 
 
+@torch.no_grad()
 def apply_updates(params: PyTree, updates: PyTree, *, inplace: bool = False) -> PyTree:
     """``params + updates``, leaf by leaf; a ``None`` update leaves the parameter as it is.
 
@@ -122,14 +123,13 @@ def apply_updates(params: PyTree, updates: PyTree, *, inplace: bool = False) -> 
         if ps[i] is None:
             raise TypeError(f"apply_updates: updates[{paths[i]!r}] has no parameter (it is None).")
         check_like("apply_updates", paths[i], us[i], ps[i], "updates")
-    with torch.no_grad():
-        targets = [local(ps[i]) for i in todo]
-        adds = [local(us[i]).to(t.dtype) for i, t in zip(todo, targets, strict=True)]
-        if inplace:
-            if todo:
-                torch._foreach_add_(targets, adds)
-            return params
-        sums = torch._foreach_add(targets, adds) if todo else []
+    targets = [local(ps[i]) for i in todo]
+    adds = [local(us[i]).to(t.dtype) for i, t in zip(todo, targets, strict=True)]
+    if inplace:
+        if todo:
+            torch._foreach_add_(targets, adds)
+        return params
+    sums = torch._foreach_add(targets, adds) if todo else []
     out = list(ps)
     for i, s in zip(todo, sums, strict=True):
         out[i] = wrap(s, ps[i]).requires_grad_(ps[i].requires_grad)

@@ -29,6 +29,7 @@ class ClipState(NamedTuple):
     norm: torch.Tensor
 
 
+@torch.no_grad()
 def global_norm(tree: PyTree) -> torch.Tensor:
     """The L2 norm of all elements of ``tree``, as if every leaf were gathered and concatenated.
 
@@ -55,16 +56,15 @@ def global_norm(tree: PyTree) -> torch.Tensor:
     if not leaves:
         return torch.zeros(())
     locals_ = [local(x) for x in leaves]
-    with torch.no_grad():
-        norms = torch._foreach_norm(locals_, 2, dtype=torch.float32)
-        squares = torch.stack(norms).square()
-        if any(dtensors):
-            weights = [1 / _replicas(p, x) for p, x in zip(paths, leaves, strict=True)]
-            squares = squares * torch.tensor(weights, device=squares.device)
-        total = squares.sum()
-        if any(dtensors):
-            dist.all_reduce(total)
-        return total.sqrt()
+    norms = torch._foreach_norm(locals_, 2, dtype=torch.float32)
+    squares = torch.stack(norms).square()
+    if any(dtensors):
+        weights = [1 / _replicas(p, x) for p, x in zip(paths, leaves, strict=True)]
+        squares = squares * torch.tensor(weights, device=squares.device)
+    total = squares.sum()
+    if any(dtensors):
+        dist.all_reduce(total)
+    return total.sqrt()
 
 
 def _replicas(path: str, x: DTensor) -> int:
@@ -100,6 +100,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     def init(params):
         return ClipState(torch.zeros(()))
 
+    @torch.no_grad()
     def update(grads, state, params=None, inplace=False):
         if not isinstance(state, ClipState):
             raise TypeError(
@@ -111,11 +112,10 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         _, gs, spec = flatten(grads, none_is_leaf=True)
         todo = [i for i, g in enumerate(gs) if g is not None]
         tensors = [local(gs[i]) for i in todo]
-        with torch.no_grad():
-            if inplace:
-                torch._foreach_mul_(tensors, coef)
-                return grads, ClipState(norm)
-            scaled = torch._foreach_mul(tensors, coef) if tensors else []
+        if inplace:
+            torch._foreach_mul_(tensors, coef)
+            return grads, ClipState(norm)
+        scaled = torch._foreach_mul(tensors, coef) if tensors else []
         out = list(gs)
         for i, s in zip(todo, scaled, strict=True):
             out[i] = wrap(s, gs[i])

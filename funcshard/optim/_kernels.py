@@ -176,15 +176,15 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
     """
     _check("add_decayed_weights", "weight_decay", weight_decay, weight_decay >= 0, ">= 0")
 
+    @torch.no_grad()
     def update(grads, state, params=None, inplace=False):
         s, _ = _pair("add_decayed_weights", grads, params)
         gs = [local(s.grads[i]) for i in s.active]
         ps = [local(s.params[i]) for i in s.active]
-        with torch.no_grad():
-            if inplace:
-                torch._foreach_add_(gs, ps, alpha=weight_decay)
-            else:
-                gs = torch._foreach_add(gs, ps, alpha=weight_decay) if gs else []
+        if inplace:
+            torch._foreach_add_(gs, ps, alpha=weight_decay)
+        else:
+            gs = torch._foreach_add(gs, ps, alpha=weight_decay) if gs else []
         out = list(s.grads)
         for i, g in zip(s.active, gs, strict=True):
             out[i] = wrap(g, s.grads[i])
@@ -252,6 +252,7 @@ def _adam_init(params: PyTree) -> AdamState:
     return AdamState(_count(), _zeros(params), _zeros(params))
 
 
+@torch.no_grad()
 def _adam_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
     _check_state(hp.name, state, AdamState)
     pairs, fields = _pair(hp.name, grads, params, {"mu": state.mu, "nu": state.nu})
@@ -262,20 +263,19 @@ def _adam_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
         _writable(fields["nu"], pairs.active, inplace),
     )
     targets = _writable(pairs.params, pairs.active, inplace)
-    with torch.no_grad():
-        for weight_decay, idx in _groups(hp, pairs):
-            torch_adam(
-                [local(targets[i]) for i in idx],
-                [local(pairs.grads[i]) for i in idx],
-                [local(mu[i]) for i in idx],
-                [local(nu[i]) for i in idx],
-                [],
-                _steps(count, len(idx)),
-                foreach=hp.foreach,
-                lr=lr,
-                weight_decay=weight_decay,
-                **dict(hp.options),
-            )
+    for weight_decay, idx in _groups(hp, pairs):
+        torch_adam(
+            [local(targets[i]) for i in idx],
+            [local(pairs.grads[i]) for i in idx],
+            [local(mu[i]) for i in idx],
+            [local(nu[i]) for i in idx],
+            [],
+            _steps(count, len(idx)),
+            foreach=hp.foreach,
+            lr=lr,
+            weight_decay=weight_decay,
+            **dict(hp.options),
+        )
     if inplace:
         state.count.add_(1)
         return _no_updates(pairs), state
@@ -287,6 +287,7 @@ def _sgd_init(has_momentum: bool, params: PyTree) -> SgdState:
     return SgdState(_count(), _zeros(params) if has_momentum else None)
 
 
+@torch.no_grad()
 def _sgd_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
     _check_state(hp.name, state, SgdState)
     has_momentum = dict(hp.options)["momentum"] != 0
@@ -305,26 +306,25 @@ def _sgd_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
         bufs = _writable(fields["momentum"], pairs.active, inplace or fresh)
     targets = _writable(pairs.params, pairs.active, inplace)
     opts = dict(hp.options)
-    with torch.no_grad():
-        for weight_decay, idx in _groups(hp, pairs):
-            # the foreach Nesterov kernel adds into the gradients when there is no weight decay
-            copy = not inplace and opts["nesterov"] and weight_decay == 0
-            given = [None if fresh or b is None else local(b) for b in (bufs[i] for i in idx)]
-            torch_sgd(
-                [local(targets[i]) for i in idx],
-                [local(pairs.grads[i]).clone() if copy else local(pairs.grads[i]) for i in idx],
-                given,
-                foreach=hp.foreach,
-                lr=lr,
-                weight_decay=weight_decay,
-                **opts,
-            )
-            if fresh:  # see [Note: momentum buffers start at zero]
-                for i, b in zip(idx, given, strict=True):
-                    if inplace:
-                        local(bufs[i]).copy_(b)
-                    else:
-                        bufs[i] = wrap(b, bufs[i])
+    for weight_decay, idx in _groups(hp, pairs):
+        # the foreach Nesterov kernel adds into the gradients when there is no weight decay
+        copy = not inplace and opts["nesterov"] and weight_decay == 0
+        given = [None if fresh or b is None else local(b) for b in (bufs[i] for i in idx)]
+        torch_sgd(
+            [local(targets[i]) for i in idx],
+            [local(pairs.grads[i]).clone() if copy else local(pairs.grads[i]) for i in idx],
+            given,
+            foreach=hp.foreach,
+            lr=lr,
+            weight_decay=weight_decay,
+            **opts,
+        )
+        if fresh:  # see [Note: momentum buffers start at zero]
+            for i, b in zip(idx, given, strict=True):
+                if inplace:
+                    local(bufs[i]).copy_(b)
+                else:
+                    bufs[i] = wrap(b, bufs[i])
     if inplace:
         state.count.add_(1)
         return _no_updates(pairs), state
@@ -346,10 +346,9 @@ def _differences(pairs: _Pairs, targets: list) -> PyTree:
     """Updates ``targets - params``, computed in the targets' storage (see
     [Note: updates as differences])."""
     out: list[Any] = [None] * len(pairs.paths)
-    with torch.no_grad():
-        for i in pairs.active:
-            local(targets[i]).sub_(local(pairs.params[i]))
-            out[i] = targets[i]
+    for i in pairs.active:
+        local(targets[i]).sub_(local(pairs.params[i]))
+        out[i] = targets[i]
     return unflatten(pairs.spec, out)
 
 
@@ -357,11 +356,11 @@ def _no_updates(pairs: _Pairs) -> PyTree:
     return unflatten(pairs.spec, [None] * len(pairs.paths))
 
 
+@torch.no_grad()
 def _zeros(params: PyTree) -> PyTree:
-    with torch.no_grad():
-        return map_with_path(
-            lambda _, p: torch.zeros_like(p) if p.is_floating_point() else None, params
-        )
+    return map_with_path(
+        lambda _, p: torch.zeros_like(p) if p.is_floating_point() else None, params
+    )
 
 
 def _count() -> torch.Tensor:

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, Union
+from typing import Any, NamedTuple
 
 import torch
 
 from .._tree import PyTree, flatten, unflatten
 from ._base import GradientTransformation, leaves_like
 
-Mask = Union[Callable[[str, torch.Tensor], bool], PyTree]  # noqa: UP007 (a runtime alias)
+Mask = Callable[[str, torch.Tensor], bool] | PyTree  # a predicate, or a tree of bools
 
 
 def at_least_2d(path: str, param: torch.Tensor) -> bool:
