@@ -1,6 +1,6 @@
 """funcshard: functional ZeRO-3 sharding for PyTorch, as pure transforms over pytrees."""
 
-from . import policy, testing
+from . import optim, policy, testing
 from ._autodiff import grad, per_sample_grad, value_and_grad
 from ._extract import extract, functional_call
 from ._grouping import group
@@ -22,6 +22,7 @@ __all__ = [
     "grad",
     "group",
     "materialize",
+    "optim",
     "per_sample_grad",
     "plan",
     "policy",

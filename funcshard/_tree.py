@@ -24,9 +24,15 @@ def keystr(path: Sequence[Any]) -> str:
     return out or "<root>"
 
 
-def flatten(tree: PyTree) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
-    """Leaves of ``tree`` with their key paths as strings, and the spec to rebuild it."""
-    paths, leaves, spec = optree.tree_flatten_with_path(tree, none_is_leaf=False)
+def flatten(
+    tree: PyTree, *, none_is_leaf: bool = False
+) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
+    """Leaves of ``tree`` with their key paths as strings, and the spec to rebuild it.
+
+    ``none_is_leaf=True`` keeps ``None`` entries as leaves, to pair a tree that has ``None`` in
+    some places (gradients of frozen parameters) with one that has tensors there.
+    """
+    paths, leaves, spec = optree.tree_flatten_with_path(tree, none_is_leaf=none_is_leaf)
     return [keystr(p) for p in paths], leaves, spec
 
 
@@ -41,24 +47,17 @@ def map_with_path(fn: Callable[[str, Any], Any], tree: PyTree) -> PyTree:
 
 
 def flatten_like(
-    tree: PyTree, like: PyTree, *, what: str, like_what: str, none_ok: bool = False
+    tree: PyTree, like: PyTree, *, what: str, like_what: str, none_is_leaf: bool = False
 ) -> list[Any]:
     """Leaves of ``tree`` in the order of ``like``'s leaves; a clear error if the structures differ.
-
-    ``none_ok``: ``tree`` may hold ``None`` in place of any leaf of ``like`` (returned as ``None``).
 
     Raises:
         ValueError: naming the key paths present in one tree and not in the other.
     """
-    like_paths, _, like_spec = flatten(like)
-    paths, leaves, spec = flatten(tree)
+    like_paths, _, like_spec = flatten(like, none_is_leaf=none_is_leaf)
+    paths, leaves, spec = flatten(tree, none_is_leaf=none_is_leaf)
     if spec == like_spec:
         return leaves
-    if none_ok:
-        _, given, given_spec = optree.tree_flatten_with_path(tree, none_is_leaf=True)
-        _, slots, slots_spec = optree.tree_flatten_with_path(like, none_is_leaf=True)
-        if given_spec == slots_spec:
-            return [g for g, s in zip(given, slots, strict=True) if s is not None]
     missing = sorted(set(like_paths) - set(paths))
     extra = sorted(set(paths) - set(like_paths))
     detail = []

@@ -73,9 +73,9 @@ def test_index_links_every_page():
 
 
 def _mentioned(name: str, text: str) -> bool:
-    """``name`` as code: ``fs.name``, ``funcshard.name``, ``policy.name``, ``testing.name`` or
-    in backticks."""
-    prefixes = r"\bfs\.|\bfuncshard\.|\bpolicy\.|\btesting\.|`"
+    """``name`` as code: ``fs.name``, ``funcshard.name``, or ``policy.`` / ``testing.`` /
+    ``optim.`` ``name``, or in backticks."""
+    prefixes = r"\bfs\.|\bfuncshard\.|\bpolicy\.|\btesting\.|\boptim\.|`"
     return re.search(rf"(?:{prefixes}){re.escape(name)}\b", text) is not None
 
 
@@ -85,9 +85,10 @@ def _mentioned(name: str, text: str) -> bool:
         set(fs.__all__)
         | {f"policy.{n}" for n in fs.policy.__all__}
         | {f"testing.{n}" for n in fs.testing.__all__}
+        | {f"optim.{n}" for n in fs.optim.__all__}
     ),
 )
 def test_public_name_is_documented(name):
     text = "\n".join(p.read_text() for p in _pages())
-    short = name.removeprefix("policy.").removeprefix("testing.")
+    short = name.split(".")[-1]
     assert _mentioned(short, text), f"{name} is not mentioned in docs/"

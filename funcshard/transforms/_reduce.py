@@ -41,9 +41,9 @@ def reduce(
         TypeError: a leaf of ``full_grads`` is not a tensor, or of ``like`` not a shard.
     """
     mean = reduce_mean(op, "op")
-    paths, like_leaves, spec = flatten(like)
-    fulls = flatten_like(full_grads, like, what="full_grads", like_what="like", none_ok=True)
-    given = [i for i, full in enumerate(fulls) if full is not None]
+    paths, like_leaves, spec = flatten(like, none_is_leaf=True)
+    fulls = flatten_like(full_grads, like, what="full_grads", like_what="like", none_is_leaf=True)
+    given = [i for i, f in enumerate(fulls) if f is not None]
     layouts, dtypes = [], []
     for path, full, leaf in ((paths[i], fulls[i], like_leaves[i]) for i in given):
         local, shard_spec = as_local(path, leaf, "reduce")

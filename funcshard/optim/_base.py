@@ -1,0 +1,241 @@
+"""Optimizers as data: a pair of pure functions whose state is returned, never kept on an object.
+
+[Note: pure and donated updates]
+torch's optimizer kernels (``torch.optim.adam.adam``, ``torch.optim.sgd.sgd``, ...) update the
+parameters and the optimizer state in place. The pure ``update`` therefore runs them on copies:
+fresh moments (the new state) and a copy of the parameters, from which the updates are taken as
+``new - old`` (see [Note: updates as differences]). Besides its inputs, a pure Adam step holds the
+new moments and the updates: three parameter-sized buffers that ``torch.optim.AdamW`` does not
+need. JAX avoids them with buffer donation; PyTorch cannot know whether the caller still holds the
+old state, so donation is explicit here: :func:`step` (and ``update_inplace``) runs the same
+kernels directly on the caller's parameters, gradients and state, as ``optimizer.step()`` does,
+and costs the same memory. A transformation that has applied its result to the parameters itself
+returns ``None`` updates for those leaves: nothing is left to add.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .._tree import PyTree, flatten, flatten_like, unflatten
+
+InitFn = Callable[[PyTree], Any]
+UpdateFn = Callable[..., tuple[PyTree, Any]]
+
+
+class GradientTransformation(NamedTuple):
+    """An optimizer, or one stage of one, as a pair of pure functions (optax's contract).
+
+    - ``init(params) -> state``: a NamedTuple (or tuple of them) of tensors, the tree ones
+      ``DTensor``s placed like ``params``.
+    - ``update(grads, state, params=None) -> (updates, state)``: does not modify its inputs;
+      ``updates`` has the structure of ``grads``, ``None`` where ``grads`` is ``None`` (no update).
+    - ``update_inplace``: the donated form of ``update`` used by :func:`step`, or ``None`` (then
+      :func:`step` falls back to ``update``). Same results, but it may overwrite ``grads``,
+      ``state`` and ``params``, and returns ``None`` for leaves it has already applied to
+      ``params``. See [Note: pure and donated updates].
+    """
+
+    init: InitFn
+    update: UpdateFn
+    update_inplace: UpdateFn | None = None
+
+
+class EmptyState(NamedTuple):
+    """The state of a transformation that keeps none."""
+
+
+def local(x: torch.Tensor) -> torch.Tensor:
+    """The tensor the arithmetic runs on: a DTensor's local shard (same storage), or ``x``."""
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def wrap(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` (a local tensor) as a tensor placed like ``like``: a DTensor if ``like`` is one."""
+    if not isinstance(like, DTensor):
+        return t
+    return DTensor.from_local(
+        t,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
+
+
+def leaves_like(tree: PyTree, like: PyTree, what: str, like_what: str) -> list[Any]:
+    """Leaves of ``tree`` in ``like``'s order, ``None`` entries kept as leaves (a frozen
+    parameter's missing gradient pairs with its tensor). Raises ``ValueError`` naming the keys."""
+    return flatten_like(tree, like, what=what, like_what=like_what, none_is_leaf=True)
+
+
+def check_like(fn: str, path: str, x: torch.Tensor, like: torch.Tensor, what: str) -> None:
+    """``x`` (an entry of ``what``) has ``like``'s type, global shape and placements.
+
+    Raises:
+        TypeError / ValueError: naming ``path`` and both layouts.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{fn}: {what}[{path!r}] is a {type(x).__name__}, not a tensor.")
+    if isinstance(x, DTensor) != isinstance(like, DTensor):
+        kind = lambda t: "a DTensor" if isinstance(t, DTensor) else "a plain tensor"
+        raise TypeError(
+            f"{fn}: {what}[{path!r}] is {kind(x)} but the parameter is {kind(like)}; pass "
+            "gradients from fs.value_and_grad on the same sharded tree (or plain tensors for "
+            "plain parameters)."
+        )
+    placed = lambda t: f"{list(t.shape)} {tuple(getattr(t, 'placements', ()))}"
+    if x.shape != like.shape or getattr(x, "placements", None) != getattr(like, "placements", None):
+        raise ValueError(
+            f"{fn}: {what}[{path!r}] has shape and placements {placed(x)}, but the parameter has "
+            f"{placed(like)}; {what} must be placed like the parameters."
+        )
+
+
+@torch.no_grad()
+def apply_updates(params: PyTree, updates: PyTree, *, inplace: bool = False) -> PyTree:
+    """``params + updates``, leaf by leaf; a ``None`` update leaves the parameter as it is.
+
+    Each sum is cast to the parameter's dtype and keeps its type (DTensor with the same
+    placements, or plain tensor) and ``requires_grad``. No communication.
+
+    Args:
+        params: a tree of tensors (DTensors from :func:`~funcshard.shard`, or plain tensors).
+        updates: the same structure, e.g. from ``opt.update``; ``None`` for no update.
+        inplace: add into ``params``' storage and return ``params`` itself (donating them: the
+            old values are gone, and nothing new is allocated). Default: a new tree; ``params``
+            is not modified.
+
+    Raises:
+        ValueError: the trees' keys differ, or an update's shape/placements differ from its
+            parameter's; TypeError: an update for a ``None`` parameter, or a DTensor update for
+            a plain parameter (or the reverse).
+    """
+    paths, ps, spec = flatten(params, none_is_leaf=True)
+    us = leaves_like(updates, params, "updates", "params")
+    todo = [i for i, u in enumerate(us) if u is not None]
+    for i in todo:
+        if ps[i] is None:
+            raise TypeError(f"apply_updates: updates[{paths[i]!r}] has no parameter (it is None).")
+        check_like("apply_updates", paths[i], us[i], ps[i], "updates")
+    targets = [local(ps[i]) for i in todo]
+    adds = [local(us[i]).to(t.dtype) for i, t in zip(todo, targets, strict=True)]
+    if inplace:
+        if todo:
+            torch._foreach_add_(targets, adds)
+        return params
+    sums = torch._foreach_add(targets, adds) if todo else []
+    out = list(ps)
+    for i, s in zip(todo, sums, strict=True):
+        out[i] = wrap(s, ps[i]).requires_grad_(ps[i].requires_grad)
+    return unflatten(spec, out)
+
+
+def step(
+    opt: GradientTransformation, params: PyTree, grads: PyTree, state: Any
+) -> tuple[PyTree, Any]:
+    """One donated optimizer step: ``opt``'s update applied to ``params`` in place.
+
+    Equal to ``updates, state = opt.update(grads, state, params)`` followed by
+    ``apply_updates(params, updates)``, with the memory of ``torch.optim``'s ``optimizer.step()``:
+    torch's kernels run directly on the parameters and the state (see
+    [Note: pure and donated updates]). ``params``, ``grads`` and ``state`` are *donated*: they are
+    overwritten in place and must not be used afterwards except through the returned values.
+
+    Returns:
+        ``(params, state)``: the same parameter tensors, updated, and the new state.
+    """
+    update = opt.update_inplace or opt.update
+    with torch.no_grad():
+        updates, state = update(grads, state, params)
+        params = apply_updates(params, updates, inplace=True)
+    return params, state
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Apply ``transforms`` one after the other: each one's updates are the next one's grads.
+
+    The state is a tuple with one state per transformation, in order. In the donated form
+    (:func:`step`), a transformation that applies its result to the parameters itself (``adam``,
+    ``adamw``, ``sgd``) must come last.
+
+    Raises (from ``update``):
+        ValueError: the state is not a tuple of ``len(transforms)`` states.
+    """
+    for i, t in enumerate(transforms):
+        if not isinstance(t, GradientTransformation):
+            raise TypeError(
+                f"chain: argument {i} is a {type(t).__name__}, not a GradientTransformation "
+                "(did you pass a schedule or a torch.optim optimizer?)."
+            )
+
+    def init(params):
+        return tuple(t.init(params) for t in transforms)
+
+    def run(grads, state, params, inplace: bool):
+        _check_chain_state(state, len(transforms))
+        new_state = []
+        for i, (t, s) in enumerate(zip(transforms, state, strict=True)):
+            update = (t.update_inplace or t.update) if inplace else t.update
+            before = grads
+            grads, s = update(grads, s, params)
+            if inplace and i < len(transforms) - 1:
+                _check_not_applied(before, grads, i, len(transforms))
+            new_state.append(s)
+        return grads, tuple(new_state)
+
+    return GradientTransformation(
+        init,
+        lambda grads, state, params=None: run(grads, state, params, False),
+        lambda grads, state, params=None: run(grads, state, params, True),
+    )
+
+
+def _check_chain_state(state, n: int) -> None:
+    if not isinstance(state, tuple) or len(state) != n or hasattr(state, "_fields"):
+        got = f"a tuple of {len(state)}" if isinstance(state, tuple) else type(state).__name__
+        raise ValueError(
+            f"chain: the state must be the tuple of {n} states that this chain's init returned, "
+            f"got {got}; was it made by another optimizer, or a chain of other transformations?"
+        )
+
+
+def _check_not_applied(before: PyTree, after: PyTree, i: int, n: int) -> None:
+    paths, b, _ = flatten(before, none_is_leaf=True)
+    a = leaves_like(after, before, "updates", "grads")
+    for path, x, y in zip(paths, b, a, strict=True):
+        if x is not None and y is None:
+            raise ValueError(
+                f"chain: transformation {i} of {n} applied its update to the parameters in place "
+                f"(at {path!r}), leaving nothing for the transformations after it. Kernel "
+                "transformations (adam, adamw, sgd) must come last to be used with "
+                "fs.optim.step; or use the pure opt.update."
+            )
+
+
+def set_grads(params: PyTree, grads: PyTree) -> None:
+    """Set ``param.grad = grad`` for every leaf, for ``torch.optim`` optimizers and
+    ``torch.nn.utils.clip_grad_norm_`` on the shards (``None`` clears a gradient).
+
+    The parameters must be the tensors the ``torch.optim`` optimizer was built with (update
+    them in place only: ``optimizer.step()``, or ``apply_updates(..., inplace=True)``).
+
+    Raises:
+        ValueError: the keys differ, or a gradient's shape/placements differ from its
+            parameter's; TypeError: a gradient for a ``None`` parameter.
+    """
+    paths, ps, _ = flatten(params, none_is_leaf=True)
+    gs = leaves_like(grads, params, "grads", "params")
+    for path, p, g in zip(paths, ps, gs, strict=True):
+        if p is None:
+            if g is not None:
+                raise TypeError(f"set_grads: grads[{path!r}] has no parameter (it is None).")
+            continue
+        if g is not None:
+            check_like("set_grads", path, g, p, "grads")
+        p.grad = g

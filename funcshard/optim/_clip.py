@@ -1,0 +1,126 @@
+"""The global gradient norm over every shard of every rank, and clipping by it.
+
+[Note: each element once]
+The global norm counts every element of every parameter once. A ``Shard`` placement splits a
+tensor, but a ``Replicate`` placement (0-d parameters; the replica dim of an HSDP mesh) keeps a
+full copy of the local tensor on each rank of that mesh dim, so summing the local squares over
+all ranks would count it once per replica. Each leaf's local sum of squares is therefore weighted
+by ``1 / (number of replicas)``; then one all-reduce over all ranks sums every leaf at once. The
+result is the same on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .._tree import PyTree, flatten, unflatten
+from ._base import GradientTransformation, local, wrap
+
+
+class ClipState(NamedTuple):
+    """State of :func:`clip_by_global_norm`: ``norm``, the global norm of the last gradients
+    it saw, before clipping (a 0-d float32 tensor, for logging)."""
+
+    norm: torch.Tensor
+
+
+@torch.no_grad()
+def global_norm(tree: PyTree) -> torch.Tensor:
+    """The L2 norm of all elements of ``tree``, as if every leaf were gathered and concatenated.
+
+    For DTensor leaves, one all-reduce over all ranks (for every leaf together); each element
+    counts once, replicated ones included (see [Note: each element once]). For plain tensors,
+    this process's tensors only, without communication. ``None`` leaves are skipped. Sums of
+    squares are taken in float32.
+
+    Returns:
+        A 0-d float32 tensor, the same on every rank.
+
+    Raises:
+        ValueError: a leaf is a ``Partial`` DTensor (reduce it first), lives on a mesh that does
+            not span all ranks, or the tree mixes DTensors with plain tensors.
+    """
+    paths, leaves, _ = flatten(tree)
+    dtensors = [isinstance(x, DTensor) for x in leaves]
+    if any(dtensors) and not all(dtensors):
+        plain = next(p for p, d in zip(paths, dtensors, strict=True) if not d)
+        raise ValueError(
+            f"global_norm: {plain!r} is a plain tensor in a tree of DTensors, so it is unclear "
+            "whether it is the same on every rank; shard every leaf (fs.shard) or none."
+        )
+    if not leaves:
+        return torch.zeros(())
+    locals_ = [local(x) for x in leaves]
+    norms = torch._foreach_norm(locals_, 2, dtype=torch.float32)
+    squares = torch.stack(norms).square()
+    if any(dtensors):
+        weights = [1 / _replicas(p, x) for p, x in zip(paths, leaves, strict=True)]
+        squares = squares * torch.tensor(weights, device=squares.device)
+    total = squares.sum()
+    if any(dtensors):
+        dist.all_reduce(total)
+    return total.sqrt()
+
+
+def _replicas(path: str, x: DTensor) -> int:
+    mesh = x.device_mesh
+    if mesh.size() != dist.get_world_size():
+        raise ValueError(
+            f"global_norm: {path!r} lives on a mesh of {mesh.size()} ranks, but the norm is "
+            f"summed over all {dist.get_world_size()} ranks; shard over a mesh of every rank."
+        )
+    n = 1
+    for i, p in enumerate(x.placements):
+        if isinstance(p, Replicate):
+            n *= mesh.size(i)
+        elif not isinstance(p, Shard):
+            raise ValueError(
+                f"global_norm: {path!r} has placement {p}; reduce partial gradients first "
+                "(fs.reduce) so that each element has a value."
+            )
+    return n
+
+
+def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+    """Scale all gradients by ``min(1, max_norm / (norm + 1e-6))``, ``norm`` their
+    :func:`global_norm`, as ``torch.nn.utils.clip_grad_norm_`` does (on DTensor shards, one
+    all-reduce). The norm before clipping is kept in the state (``ClipState.norm``) for logging.
+
+    Raises:
+        ValueError: ``max_norm`` is not a positive number.
+    """
+    if not (isinstance(max_norm, int | float) and math.isfinite(max_norm) and max_norm > 0):
+        raise ValueError(f"clip_by_global_norm: max_norm={max_norm!r}; it must be a number > 0.")
+
+    def init(params):
+        return ClipState(torch.zeros(()))
+
+    @torch.no_grad()
+    def update(grads, state, params=None, inplace=False):
+        if not isinstance(state, ClipState):
+            raise TypeError(
+                f"clip_by_global_norm: the state is a {type(state).__name__}, not the ClipState "
+                "that this transformation's init returned."
+            )
+        norm = global_norm(grads)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        _, gs, spec = flatten(grads, none_is_leaf=True)
+        todo = [i for i, g in enumerate(gs) if g is not None]
+        tensors = [local(gs[i]) for i in todo]
+        if inplace:
+            torch._foreach_mul_(tensors, coef)
+            return grads, ClipState(norm)
+        scaled = torch._foreach_mul(tensors, coef) if tensors else []
+        out = list(gs)
+        for i, s in zip(todo, scaled, strict=True):
+            out[i] = wrap(s, gs[i])
+        return unflatten(spec, out), ClipState(norm)
+
+    return GradientTransformation(
+        init, update, lambda grads, state, params=None: update(grads, state, params, True)
+    )

@@ -1,0 +1,404 @@
+"""Adam, AdamW and SGD on sharded trees, computed by torch.optim's own functional kernels.
+
+The kernels (``torch.optim.adam.adam``, ``torch.optim.sgd.sgd``) run on the *local* shards of the
+parameters, gradients and state (``DTensor.to_local()`` shares storage), with ``foreach`` chosen
+as ``torch.optim`` chooses it, so every number is what ``torch.optim.Adam/AdamW/SGD`` computes
+on the same shards. Gradients that are ``None`` (frozen parameters) get no update and leave their
+state as it is.
+
+[Note: updates as differences]
+The pure ``update`` runs a kernel on a copy ``q`` of the parameters and returns ``q - p``. When
+``q`` and ``p`` are within a factor 2 of each other (any step that does not flip a weight's sign
+or move it across an order of magnitude) that subtraction is exact (Sterbenz), and
+``apply_updates`` then gives back ``q`` bit for bit; otherwise they differ by at most an ulp.
+``fs.optim.step`` applies the kernel to ``p`` directly.
+
+[Note: momentum buffers start at zero]
+``torch.optim.SGD`` creates its momentum buffer on the first step as a copy of the gradient. The
+state here exists from ``init`` (so a checkpoint of it always has the same keys), filled with
+zeros: with ``dampening == 0``, ``0 * momentum + 1 * grad`` is that copy exactly. With
+``dampening != 0`` the first step hands the kernel no buffers, as torch.optim does, and keeps the
+ones it creates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch.optim.adam import adam as torch_adam
+from torch.optim.optimizer import _get_scalar_dtype
+from torch.optim.sgd import sgd as torch_sgd
+
+from .._tree import PyTree, flatten, map_with_path, unflatten
+from ._base import EmptyState, GradientTransformation, check_like, leaves_like, local, wrap
+from ._masked import Mask, resolve
+
+LearningRate = float | Callable[[int], float]
+
+
+class AdamState(NamedTuple):
+    """State of :func:`adam` / :func:`adamw`: ``count`` (int64, updates done so far), ``mu`` and
+    ``nu`` (first and second moments, ``exp_avg``/``exp_avg_sq`` in torch.optim: trees like the
+    parameters, DTensors with their placements; ``None`` for non-floating-point parameters)."""
+
+    count: torch.Tensor
+    mu: PyTree
+    nu: PyTree
+
+
+class SgdState(NamedTuple):
+    """State of :func:`sgd`: ``count`` (int64) and the momentum buffers (a tree like the
+    parameters), or ``None`` when ``momentum == 0``."""
+
+    count: torch.Tensor
+    momentum: PyTree | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Hyper:
+    name: str
+    lr: LearningRate
+    weight_decay: float
+    mask: Mask | None
+    foreach: bool | None
+    options: tuple[tuple[str, Any], ...]  # the kernel's own keyword arguments
+
+
+def adam(
+    lr: LearningRate,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    *,
+    mask: Mask | None = None,
+    foreach: bool | None = None,
+) -> GradientTransformation:
+    """Adam as ``torch.optim.Adam`` computes it (weight decay added to the gradient, L2).
+
+    Args:
+        lr: a float, or a schedule ``step -> lr`` evaluated at the state's ``count``
+            (0 for the first update), like a ``LambdaLR`` stepped after each update.
+        betas, eps, weight_decay: as in ``torch.optim.Adam``.
+        mask: which parameters get weight decay: ``fn(path, param) -> bool`` (e.g.
+            :func:`at_least_2d`) or a tree of bools; default all. As two ``torch.optim``
+            parameter groups, one with ``weight_decay=0``.
+        foreach: as in ``torch.optim``; ``None`` lets torch choose (foreach kernels on CUDA, a
+            loop over tensors on CPU).
+
+    Raises:
+        ValueError: a negative ``lr``/``eps``/``weight_decay`` or a beta outside ``[0, 1)``.
+    """
+    return _adam("adam", lr, betas, eps, weight_decay, mask, foreach, decoupled=False)
+
+
+def adamw(
+    lr: LearningRate,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+    *,
+    mask: Mask | None = None,
+    foreach: bool | None = None,
+) -> GradientTransformation:
+    """AdamW as ``torch.optim.AdamW`` computes it (decoupled weight decay: ``p *= 1 - lr * wd``).
+
+    Arguments as for :func:`adam`; ``mask`` selects the parameters that are decayed.
+    """
+    return _adam("adamw", lr, betas, eps, weight_decay, mask, foreach, decoupled=True)
+
+
+def _adam(name, lr, betas, eps, weight_decay, mask, foreach, decoupled) -> GradientTransformation:
+    _check_lr(name, lr)
+    _check(name, "eps", eps, eps >= 0, ">= 0")
+    _check(name, "weight_decay", weight_decay, weight_decay >= 0, ">= 0")
+    for i, b in enumerate(betas):
+        _check(name, f"betas[{i}]", b, 0 <= b < 1, "in [0, 1)")
+    options = dict(
+        beta1=float(betas[0]),
+        beta2=float(betas[1]),
+        eps=float(eps),
+        decoupled_weight_decay=decoupled,
+        amsgrad=False,
+        maximize=False,
+    )
+    hp = _Hyper(name, lr, float(weight_decay), mask, foreach, tuple(options.items()))
+    return GradientTransformation(
+        _adam_init,
+        functools.partial(_adam_update, hp, inplace=False),
+        functools.partial(_adam_update, hp, inplace=True),
+    )
+
+
+def sgd(
+    lr: LearningRate,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    *,
+    mask: Mask | None = None,
+    foreach: bool | None = None,
+) -> GradientTransformation:
+    """SGD as ``torch.optim.SGD`` computes it: momentum, dampening, Nesterov, L2 weight decay.
+
+    Arguments as in ``torch.optim.SGD``; ``lr``, ``mask`` and ``foreach`` as for :func:`adam`.
+
+    Raises:
+        ValueError: negative ``lr``/``momentum``/``weight_decay``, or ``nesterov`` without
+            momentum or with dampening.
+    """
+    _check_lr("sgd", lr)
+    _check("sgd", "momentum", momentum, momentum >= 0, ">= 0")
+    _check("sgd", "weight_decay", weight_decay, weight_decay >= 0, ">= 0")
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("sgd: nesterov=True needs momentum > 0 and dampening == 0 (as torch's).")
+    options = dict(
+        momentum=float(momentum), dampening=float(dampening), nesterov=nesterov, maximize=False
+    )
+    hp = _Hyper("sgd", lr, float(weight_decay), mask, foreach, tuple(options.items()))
+    return GradientTransformation(
+        functools.partial(_sgd_init, momentum != 0),
+        functools.partial(_sgd_update, hp, inplace=False),
+        functools.partial(_sgd_update, hp, inplace=True),
+    )
+
+
+def add_decayed_weights(weight_decay: float) -> GradientTransformation:
+    """``grads + weight_decay * params`` (L2 regularisation, as torch's SGD and Adam add it).
+
+    ``chain(add_decayed_weights(wd), sgd(lr))`` is ``sgd(lr, weight_decay=wd)``; wrap it in
+    :func:`masked` to decay only some parameters. Needs ``params``.
+    """
+    _check("add_decayed_weights", "weight_decay", weight_decay, weight_decay >= 0, ">= 0")
+
+    @torch.no_grad()
+    def update(grads, state, params=None, inplace=False):
+        s, _ = _pair("add_decayed_weights", grads, params)
+        gs = [local(s.grads[i]) for i in s.active]
+        ps = [local(s.params[i]) for i in s.active]
+        if inplace:
+            torch._foreach_add_(gs, ps, alpha=weight_decay)
+        else:
+            gs = torch._foreach_add(gs, ps, alpha=weight_decay) if gs else []
+        out = list(s.grads)
+        for i, g in zip(s.active, gs, strict=True):
+            out[i] = wrap(g, s.grads[i])
+        return unflatten(s.spec, out), state
+
+    return GradientTransformation(
+        lambda params: EmptyState(),
+        update,
+        functools.partial(update, inplace=True),
+    )
+
+
+class _Pairs(NamedTuple):
+    paths: list[str]
+    spec: Any
+    params: list[Any]
+    grads: list[Any]
+    active: list[int]  # leaves with a gradient
+
+
+def _pair(fn: str, grads, params, state: dict | None = None) -> tuple[_Pairs, dict[str, list]]:
+    """Grads, params and state trees paired leaf by leaf (the state's as ``{field: leaves}``),
+    with their layouts checked."""
+    if params is None:
+        raise ValueError(
+            f"{fn}: update needs params (torch's kernels compute the update from them): "
+            "call opt.update(grads, state, params)."
+        )
+    paths, ps, spec = flatten(params, none_is_leaf=True)
+    gs = leaves_like(grads, params, "grads", "params")
+    fields = {
+        k: leaves_like(v, params, f"{fn} state.{k}", "params") for k, v in (state or {}).items()
+    }
+    active = []
+    for i, (path, p, g) in enumerate(zip(paths, ps, gs, strict=True)):
+        if g is None:
+            continue
+        if p is None:
+            raise TypeError(f"{fn}: grads[{path!r}] has no parameter (it is None).")
+        check_like(fn, path, g, p, "grads")
+        for field, leaves in fields.items():
+            if leaves[i] is None:
+                raise ValueError(
+                    f"{fn}: grads[{path!r}] is a gradient, but the optimizer state has no entry "
+                    "for it (init saw a non-floating-point or None parameter there, or a mask "
+                    "left it out); initialize the state from the parameters that are trained."
+                )
+            check_like(fn, path, leaves[i], p, f"state.{field}")
+        active.append(i)
+    return _Pairs(paths, spec, ps, gs, active), fields
+
+
+def _groups(hp: _Hyper, pairs: _Pairs) -> list[tuple[float, list[int]]]:
+    """Active leaves split by weight decay, as two torch.optim parameter groups would be."""
+    if hp.mask is None or hp.weight_decay == 0:
+        return [(hp.weight_decay, pairs.active)]
+    decay = resolve(hp.mask, unflatten(pairs.spec, pairs.params), hp.name)
+    return [
+        (hp.weight_decay, [i for i in pairs.active if decay[i]]),
+        (0.0, [i for i in pairs.active if not decay[i]]),
+    ]
+
+
+def _adam_init(params: PyTree) -> AdamState:
+    return AdamState(_count(), _zeros(params), _zeros(params))
+
+
+@torch.no_grad()
+def _adam_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
+    _check_state(hp.name, state, AdamState)
+    pairs, fields = _pair(hp.name, grads, params, {"mu": state.mu, "nu": state.nu})
+    count = int(state.count)
+    lr = _lr_at(hp, count)
+    mu, nu = (
+        _writable(fields["mu"], pairs.active, inplace),
+        _writable(fields["nu"], pairs.active, inplace),
+    )
+    targets = _writable(pairs.params, pairs.active, inplace)
+    for weight_decay, idx in _groups(hp, pairs):
+        torch_adam(
+            [local(targets[i]) for i in idx],
+            [local(pairs.grads[i]) for i in idx],
+            [local(mu[i]) for i in idx],
+            [local(nu[i]) for i in idx],
+            [],
+            _steps(count, len(idx)),
+            foreach=hp.foreach,
+            lr=lr,
+            weight_decay=weight_decay,
+            **dict(hp.options),
+        )
+    if inplace:
+        state.count.add_(1)
+        return _no_updates(pairs), state
+    new = AdamState(state.count + 1, unflatten(pairs.spec, mu), unflatten(pairs.spec, nu))
+    return _differences(pairs, targets), new
+
+
+def _sgd_init(has_momentum: bool, params: PyTree) -> SgdState:
+    return SgdState(_count(), _zeros(params) if has_momentum else None)
+
+
+@torch.no_grad()
+def _sgd_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
+    _check_state(hp.name, state, SgdState)
+    has_momentum = dict(hp.options)["momentum"] != 0
+    if (state.momentum is not None) != has_momentum:
+        raise TypeError(
+            "sgd: the state's momentum buffers do not match this optimizer's momentum; pass the "
+            "state that this optimizer's init returned."
+        )
+    trees = {"momentum": state.momentum} if has_momentum else {}
+    pairs, fields = _pair(hp.name, grads, params, trees)
+    count = int(state.count)
+    lr = _lr_at(hp, count)
+    fresh = has_momentum and count == 0 and dict(hp.options)["dampening"] != 0
+    bufs = [None] * len(pairs.paths)
+    if has_momentum:
+        bufs = _writable(fields["momentum"], pairs.active, inplace or fresh)
+    targets = _writable(pairs.params, pairs.active, inplace)
+    opts = dict(hp.options)
+    for weight_decay, idx in _groups(hp, pairs):
+        # the foreach Nesterov kernel adds into the gradients when there is no weight decay
+        copy = not inplace and opts["nesterov"] and weight_decay == 0
+        given = [None if fresh or b is None else local(b) for b in (bufs[i] for i in idx)]
+        torch_sgd(
+            [local(targets[i]) for i in idx],
+            [local(pairs.grads[i]).clone() if copy else local(pairs.grads[i]) for i in idx],
+            given,
+            foreach=hp.foreach,
+            lr=lr,
+            weight_decay=weight_decay,
+            **opts,
+        )
+        if fresh:  # see [Note: momentum buffers start at zero]
+            for i, b in zip(idx, given, strict=True):
+                if inplace:
+                    local(bufs[i]).copy_(b)
+                else:
+                    bufs[i] = wrap(b, bufs[i])
+    if inplace:
+        state.count.add_(1)
+        return _no_updates(pairs), state
+    momentum = unflatten(pairs.spec, bufs) if has_momentum else None
+    return _differences(pairs, targets), SgdState(state.count + 1, momentum)
+
+
+def _writable(leaves: list, active: list[int], inplace: bool) -> list:
+    """``leaves`` itself (donated), or with the active ones copied (pure)."""
+    if inplace:
+        return leaves
+    out = list(leaves)
+    for i in active:
+        out[i] = wrap(local(leaves[i]).clone(), leaves[i])
+    return out
+
+
+def _differences(pairs: _Pairs, targets: list) -> PyTree:
+    """Updates ``targets - params``, computed in the targets' storage (see
+    [Note: updates as differences])."""
+    out: list[Any] = [None] * len(pairs.paths)
+    for i in pairs.active:
+        local(targets[i]).sub_(local(pairs.params[i]))
+        out[i] = targets[i]
+    return unflatten(pairs.spec, out)
+
+
+def _no_updates(pairs: _Pairs) -> PyTree:
+    return unflatten(pairs.spec, [None] * len(pairs.paths))
+
+
+@torch.no_grad()
+def _zeros(params: PyTree) -> PyTree:
+    return map_with_path(
+        lambda _, p: torch.zeros_like(p) if p.is_floating_point() else None, params
+    )
+
+
+def _count() -> torch.Tensor:
+    return torch.zeros((), dtype=torch.int64)
+
+
+def _steps(count: int, n: int) -> list[torch.Tensor]:
+    """torch's per-parameter ``state_steps`` (float scalars), before this update's increment."""
+    return list(torch.full((n,), float(count), dtype=_get_scalar_dtype()).unbind(0))
+
+
+def _lr_at(hp: _Hyper, count: int) -> float:
+    value = hp.lr(count) if callable(hp.lr) else hp.lr
+    value = float(value)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(
+            f"{hp.name}: the learning rate at step {count} is {value}; it must be a finite "
+            "number >= 0 (check the schedule)."
+        )
+    return value
+
+
+def _check_lr(name: str, lr) -> None:
+    if not callable(lr):
+        _check(
+            name, "lr", lr, isinstance(lr, int | float) and math.isfinite(lr) and lr >= 0, ">= 0"
+        )
+
+
+def _check(name: str, what: str, value, ok: bool, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {what}={value!r} is invalid; it must be {rule}.")
+
+
+def _check_state(name: str, state, cls) -> None:
+    if not isinstance(state, cls):
+        raise TypeError(
+            f"{name}: the state is a {type(state).__name__}, not the {cls.__name__} that "
+            f"{name}'s init returns; pass the state of this optimizer (for a chain, the whole "
+            "tuple of states)."
+        )

@@ -1,0 +1,248 @@
+"""fs.optim in one process, on plain tensors: torch.optim parity on nested trees with frozen and
+integer leaves, schedules against torch's LR schedulers, purity of ``update``, and errors."""
+
+from __future__ import annotations
+
+import math
+
+import optree
+import pytest
+import torch
+
+import funcshard as fs
+
+optim = fs.optim
+
+
+def _tree(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "layer": [torch.randn(4, 3, generator=g), torch.randn(4, generator=g)],
+        "frozen": torch.randn(2, generator=g),
+        "ids": torch.arange(3),  # integer: never gets a gradient, gets no state
+    }
+
+
+def _grads(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return {
+        "layer": [torch.randn(4, 3, generator=g), torch.randn(4, generator=g)],
+        "frozen": None,
+        "ids": None,
+    }
+
+
+def _clone(tree):
+    return torch.utils._pytree.tree_map(lambda t: t.clone() if torch.is_tensor(t) else t, tree)
+
+
+@pytest.mark.parametrize("donated", [True, False])
+def test_plain_tensors_nested_tree_with_frozen_leaves(donated):
+    params = _tree()
+    trained = [t.clone().requires_grad_() for t in params["layer"]]
+    topt = torch.optim.AdamW(
+        [{"params": trained[:1]}, {"params": trained[1:], "weight_decay": 0.0}],
+        lr=0.05,
+        weight_decay=0.1,
+    )
+    opt = optim.adamw(0.05, weight_decay=0.1, mask=optim.at_least_2d)
+    state = opt.init(params)
+    assert state.mu["ids"] is None and state.mu["frozen"].shape == (2,)
+    frozen = params["frozen"].clone()
+    for step in range(3):
+        grads = _grads(step)
+        for t, g in zip(trained, grads["layer"], strict=True):
+            t.grad = g.clone()
+        topt.step()
+        if donated:
+            params, state = optim.step(opt, params, grads, state)
+        else:
+            updates, state = opt.update(grads, state, params)
+            assert updates["frozen"] is None and updates["ids"] is None
+            params = optim.apply_updates(params, updates)
+    for ours, theirs in zip(params["layer"], trained, strict=True):
+        torch.testing.assert_close(ours, theirs.detach(), rtol=0, atol=0 if donated else 1e-7)
+    assert torch.equal(params["frozen"], frozen) and torch.equal(params["ids"], torch.arange(3))
+    assert torch.equal(state.mu["frozen"], torch.zeros(2)) and int(state.count) == 3
+
+
+def _torch_lrs(make_scheduler, steps):
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.2)
+    sched = make_scheduler(opt)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return lrs
+
+
+LR = torch.optim.lr_scheduler
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs", "steps"),
+    [
+        (optim.constant_schedule(0.2), lambda o: LR.ConstantLR(o, factor=1.0), 5),
+        (optim.linear_schedule(0.02, 0.2, 5), lambda o: LR.LinearLR(o, 0.1, 1.0, 5), 9),
+        (
+            optim.cosine_decay_schedule(0.2, 10, alpha=0.1),
+            lambda o: LR.CosineAnnealingLR(o, 10, 0.02),
+            11,
+        ),
+        (
+            optim.warmup_cosine_decay_schedule(0.02, 0.2, 5, 15, end_value=0.02),
+            lambda o: LR.SequentialLR(
+                o, [LR.LinearLR(o, 0.1, 1.0, 5), LR.CosineAnnealingLR(o, 10, 0.02)], [5]
+            ),
+            16,
+        ),
+    ],
+    ids=["constant", "linear", "cosine", "warmup_cosine"],
+)
+def test_schedules_match_torch_lr_schedulers(ours, theirs, steps):
+    expected = _torch_lrs(theirs, steps)
+    assert [ours(t) for t in range(steps)] == pytest.approx(expected, rel=1e-6, abs=1e-9)
+
+
+def test_schedule_is_evaluated_at_the_state_count():
+    seen = []
+    opt = optim.sgd(lambda t: seen.append(t) or 0.1)
+    params = {"w": torch.ones(2)}
+    state = opt.init(params)
+    for _ in range(3):
+        params, state = optim.step(opt, params, {"w": torch.ones(2)}, state)
+    assert seen == [0, 1, 2]
+    torch.testing.assert_close(params["w"], torch.full((2,), 0.7))
+    assert "WarmupCosineDecay(init_value=0.0" in repr(
+        optim.warmup_cosine_decay_schedule(0, 1, 1, 2)
+    )
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: optim.chain(
+            optim.clip_by_global_norm(0.1), optim.adamw(0.1, mask=optim.at_least_2d)
+        ),
+        lambda: optim.sgd(0.1, momentum=0.9, nesterov=True, foreach=True),
+        lambda: optim.sgd(0.1, momentum=0.9, dampening=0.5, weight_decay=0.1),
+        lambda: optim.chain(
+            optim.masked(optim.add_decayed_weights(0.1), optim.at_least_2d), optim.adam(0.1)
+        ),
+    ],
+    ids=["clip+adamw", "nesterov foreach", "dampening", "masked decay+adam"],
+)
+def test_update_does_not_modify_its_inputs(make):
+    opt = make()
+    params = _tree()
+    state = opt.init(params)
+    for step in range(2):
+        grads = _grads(step)
+        before = _clone((params, grads, state))
+        updates, new_state = opt.update(grads, state, params)
+        after = (params, grads, state)
+        flat = optree.tree_leaves  # None entries are not leaves
+        assert all(torch.equal(a, b) for a, b in zip(flat(before), flat(after), strict=True))
+        params, state = optim.apply_updates(params, updates), new_state
+
+
+def test_apply_updates():
+    params = {"a": torch.ones(2, requires_grad=True), "b": torch.ones(1, dtype=torch.bfloat16)}
+    updates = {"a": torch.full((2,), 0.5), "b": None}
+    new = optim.apply_updates(params, updates)
+    assert new["a"] is not params["a"] and new["a"].requires_grad and new["a"].is_leaf
+    assert torch.equal(new["a"], torch.full((2,), 1.5)) and new["b"] is params["b"]
+    assert torch.equal(params["a"], torch.ones(2))
+    same = optim.apply_updates(params, {"a": None, "b": torch.ones(1)}, inplace=True)
+    assert same is params and params["b"].dtype == torch.bfloat16 and params["b"].item() == 2
+
+
+def test_updates_and_state_are_not_part_of_a_graph():
+    params = {"w": torch.ones(3, requires_grad=True)}
+    opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(0.1))
+    updates, state = opt.update({"w": torch.ones(3)}, opt.init(params), params)
+    assert updates["w"].grad_fn is None and not updates["w"].requires_grad
+    assert not state[1].mu["w"].requires_grad and optim.global_norm(params).grad_fn is None
+
+
+def test_sgd_without_momentum_keeps_no_buffers():
+    state = optim.sgd(0.1).init({"w": torch.ones(3)})
+    assert isinstance(state, optim.SgdState) and state.momentum is None
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+
+def _setup(opt):
+    params = {"a": torch.ones(3), "b": torch.ones(2, 2), "ids": torch.arange(2)}
+    return opt, params, opt.init(params)
+
+
+def test_errors_name_the_key_and_the_fix():
+    opt, params, state = _setup(optim.adamw(0.1))
+    with pytest.raises(ValueError, match="missing from grads: 'b'"):
+        opt.update({"a": torch.ones(3), "ids": None}, state, params)
+    with pytest.raises(ValueError, match=r"grads\['b'\] has shape and placements \[4\]"):
+        opt.update({"a": torch.ones(3), "b": torch.ones(4), "ids": None}, state, params)
+    with pytest.raises(ValueError, match=r"grads\['ids'\] is a gradient, but the optimizer state"):
+        opt.update({"a": None, "b": None, "ids": torch.ones(2)}, state, params)
+    with pytest.raises(ValueError, match="needs params"):
+        opt.update({"a": None, "b": None, "ids": None}, state)
+    with pytest.raises(TypeError, match="SgdState, not the AdamState"):
+        opt.update({"a": None, "b": None, "ids": None}, optim.sgd(0.1).init(params), params)
+    with pytest.raises(ValueError, match=r"missing from adamw state\.mu: 'a'"):
+        opt.update({"a": None, "b": None, "ids": None}, opt.init({"b": params["b"]}), params)
+    other = opt.init({"a": torch.ones(5), "b": params["b"], "ids": params["ids"]})
+    with pytest.raises(ValueError, match=r"state\.mu\['a'\] has shape and placements \[5\]"):
+        opt.update({"a": torch.ones(3), "b": None, "ids": None}, other, params)
+    chained = optim.chain(optim.clip_by_global_norm(1.0), opt)
+    with pytest.raises(ValueError, match="tuple of 2 states"):
+        chained.update(params, state, params)
+    with pytest.raises(TypeError, match="argument 1 is a WarmupCosineDecay"):
+        optim.chain(opt, optim.warmup_cosine_decay_schedule(0, 1, 1, 2))
+
+
+def test_errors_in_hyperparameters_and_schedules():
+    with pytest.raises(ValueError, match=r"adamw: lr=-0.1 is invalid"):
+        optim.adamw(-0.1)
+    with pytest.raises(ValueError, match=r"betas\[1\]=1.0 is invalid; it must be in \[0, 1\)"):
+        optim.adam(0.1, betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="nesterov=True needs momentum > 0"):
+        optim.sgd(0.1, nesterov=True)
+    with pytest.raises(ValueError, match="max_norm=0"):
+        optim.clip_by_global_norm(0)
+    with pytest.raises(ValueError, match="decay_steps=5 must be greater than warmup_steps=5"):
+        optim.warmup_cosine_decay_schedule(0, 1, 5, 5)
+    with pytest.raises(ValueError, match="peak_value=-1"):
+        optim.warmup_cosine_decay_schedule(0, -1, 5, 10)
+    opt, params, state = _setup(optim.sgd(lambda t: 0.1 if t < 2 else -0.5))
+    grads = {"a": torch.ones(3), "b": None, "ids": None}
+    for _ in range(2):
+        params, state = optim.step(opt, params, grads, state)
+    with pytest.raises(ValueError, match=r"learning rate at step 2 is -0\.5"):
+        optim.step(opt, params, grads, state)
+
+
+def test_errors_of_masks_chains_and_apply_updates():
+    bad = optim.adamw(0.1, mask={"a": 1, "b": True, "ids": False})
+    opt, params, state = _setup(bad)
+    with pytest.raises(TypeError, match="the mask's entry for 'a' is a int"):
+        opt.update({"a": torch.ones(3), "b": None, "ids": None}, state, params)
+    opt, params, state = _setup(optim.chain(optim.adamw(0.1), optim.clip_by_global_norm(1.0)))
+    with pytest.raises(ValueError, match="transformation 0 of 2 applied its update"):
+        optim.step(opt, params, {"a": torch.ones(3), "b": None, "ids": None}, state)
+    with pytest.raises(TypeError, match=r"updates\['x'\] has no parameter"):
+        optim.apply_updates({"x": None}, {"x": torch.ones(1)})
+    with pytest.raises(TypeError, match="MaskedState"):
+        optim.masked(optim.adam(0.1), optim.at_least_2d).update({}, (), {})
+
+
+def test_step_falls_back_to_update_for_user_transformations():
+    # an optax-style transformation with only init and update
+    scale = optim.GradientTransformation(
+        lambda p: optim.EmptyState(), lambda g, s, p=None: ({k: -0.5 * v for k, v in g.items()}, s)
+    )
+    params, _ = optim.step(scale, {"w": torch.ones(2)}, {"w": torch.ones(2)}, optim.EmptyState())
+    assert torch.equal(params["w"], torch.full((2,), 0.5))
+    assert math.isclose(optim.global_norm({"a": torch.full((4,), 2.0), "b": None}).item(), 4.0)
