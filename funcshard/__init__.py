@@ -1,6 +1,6 @@
 """funcshard: functional ZeRO-3 sharding for PyTorch, as pure transforms over pytrees."""
 
-from . import policy
+from . import checkpoint, policy
 from ._autodiff import grad, value_and_grad
 from ._extract import extract, functional_call
 from ._grouping import group
@@ -15,6 +15,7 @@ __all__ = [
     "Plan",
     "ShardSpec",
     "Step",
+    "checkpoint",
     "extract",
     "from_local",
     "functional_call",

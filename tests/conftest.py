@@ -12,6 +12,11 @@ def _world(size: int) -> World:
 
 
 @pytest.fixture(scope="session")
+def world1() -> World:
+    return _world(1)
+
+
+@pytest.fixture(scope="session")
 def world2() -> World:
     return _world(2)
 
