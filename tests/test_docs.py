@@ -62,13 +62,21 @@ def test_index_links_every_page():
 
 
 def _mentioned(name: str, text: str) -> bool:
-    """``name`` as code: ``fs.name``, ``funcshard.name``, ``policy.name`` or in backticks."""
-    return re.search(rf"(?:\bfs\.|\bfuncshard\.|\bpolicy\.|`){re.escape(name)}\b", text) is not None
+    """``name`` as code: ``fs.name``, ``funcshard.name``, ``policy.name``, ``checkpoint.name``
+    or in backticks."""
+    prefix = r"(?:\bfs\.|\bfuncshard\.|\bpolicy\.|\bcheckpoint\.|`)"
+    return re.search(rf"{prefix}{re.escape(name)}\b", text) is not None
 
 
 @pytest.mark.parametrize(
-    "name", sorted(set(fs.__all__) | {f"policy.{n}" for n in fs.policy.__all__})
+    "name",
+    sorted(
+        set(fs.__all__)
+        | {f"policy.{n}" for n in fs.policy.__all__}
+        | {f"checkpoint.{n}" for n in fs.checkpoint.__all__}
+    ),
 )
 def test_public_name_is_documented(name):
     text = "\n".join(p.read_text() for p in _pages())
-    assert _mentioned(name.removeprefix("policy."), text), f"{name} is not mentioned in docs/"
+    short = name.removeprefix("policy.").removeprefix("checkpoint.")
+    assert _mentioned(short, text), f"{name} is not mentioned in docs/"

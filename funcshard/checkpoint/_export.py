@@ -197,6 +197,11 @@ def import_state_dict(
         if t is None:
             out[name] = None
             continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"import_state_dict: like[{name!r}] is a {type(t).__name__}; pass tensors (meta "
+                "DTensor shards from fs.shard, or plain tensors) that say where each value goes."
+            )
         stored = name if name in src.names else src.tied.get(name)
         if stored not in src.names:
             raise KeyError(
