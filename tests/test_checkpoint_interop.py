@@ -15,9 +15,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import funcshard as fs
+from funcshard._profiling import peak_bytes
 
 from _checks import raises
-from _models import make, tokens
+from _models import Wide, make, tokens
 from _world import mesh
 
 LAYOUTS = [
@@ -82,6 +83,23 @@ def test_export_loads_into_fresh_modules(request, tmp_path, n, mesh_shape, pl):
     results = world.run(export_to_fresh_modules, str(tmp_path), mesh_shape, pl)
     assert results[0] == [True] * 7
     assert all(r == [True, True] for r in results[1:])  # None on the other ranks
+
+
+def export_memory() -> tuple[int, int, int]:
+    """(peak bytes allocated during the export, model bytes, largest tensor bytes)."""
+    model = make(Wide, d=128, layers=4)
+    params, _ = fs.extract(model)
+    sharded = fs.shard(params, mesh(2))
+    model.to("meta")
+    peak, _ = peak_bytes(lambda: fs.checkpoint.export_state_dict(sharded))
+    sizes = [p.numel() * p.element_size() for p in params.values()]
+    return peak, sum(sizes), max(sizes)
+
+
+def test_export_holds_the_full_model_once_on_one_rank(world2):
+    (peak0, total, largest), (peak1, *_) = world2.run(export_memory)
+    assert total <= peak0 <= total + largest  # the result, and one received piece at a time
+    assert peak1 < largest / 4  # the other rank only sends its shards
 
 
 def import_slices(directory: str, mesh_shape, pl) -> list:
