@@ -63,6 +63,14 @@ def flatten(tree: PyTree, fn: str) -> tuple[list[str], list[Any], optree.PyTreeS
     return keys, leaves, spec
 
 
+def rank_key(key: str, rank: int, generator: str) -> str:
+    """Where rank ``rank`` stores a generator of its RNGState leaf ``key``.
+
+    See [Note: RNG states are per rank].
+    """
+    return f"{key}.rank{rank}.{generator}"
+
+
 def _name(entry) -> Any:
     field = getattr(entry, "field", None)
     return entry.entry if field is None else field

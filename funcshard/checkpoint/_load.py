@@ -21,9 +21,8 @@ from torch.distributed.tensor import DTensor
 
 from .._tree import PyTree, _few, unflatten
 from ._comm import distributed, rank_world
-from ._layout import MANIFEST, describe, flatten, read_manifest
+from ._layout import MANIFEST, describe, flatten, rank_key, read_manifest
 from ._rng import RNGState, derive
-from ._save import rank_key
 
 
 def load(path: str | os.PathLike, like: PyTree, *, strict: bool = True) -> PyTree:

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from .._tree import PyTree
 from ._comm import all_ok, distributed, on_rank, rank_world
-from ._layout import committed, flatten, manifest, write_manifest
+from ._layout import committed, flatten, manifest, rank_key, write_manifest
 from ._rng import RNGState
 
 _TMP, _OLD = ".funcshard-tmp", ".funcshard-old"
@@ -213,11 +213,6 @@ def _state_dict(tree: PyTree, fn: str) -> tuple[dict[str, Any], dict[str, Any]]:
             leaf = leaf.detach()
         state_dict[key] = leaf
     return state_dict, manifest(keys, leaves, world)
-
-
-def rank_key(key: str, rank: int, generator: str) -> str:
-    """See [Note: RNG states are per rank]."""
-    return f"{key}.rank{rank}.{generator}"
 
 
 def _prepare_directory(job: _Job) -> None:
