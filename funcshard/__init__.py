@@ -1,6 +1,6 @@
 """funcshard: functional ZeRO-3 sharding for PyTorch, as pure transforms over pytrees."""
 
-from . import optim, policy, testing
+from . import checkpoint, optim, policy, testing
 from ._autodiff import grad, per_sample_grad, value_and_grad
 from ._extract import extract, functional_call
 from ._grouping import group
@@ -16,6 +16,7 @@ __all__ = [
     "Plan",
     "ShardSpec",
     "Step",
+    "checkpoint",
     "extract",
     "from_local",
     "functional_call",

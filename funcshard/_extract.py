@@ -30,7 +30,6 @@ def extract(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch
     first name; the other names are remembered so that :func:`functional_call` (and
     :func:`~funcshard.group`) keep it tied, even after ``module.to("meta")``.
     """
-    check_not_wrapped(module, "extract")
     _ALIASES[module] = recorded = _recorded_aliases(module)
     params = {k: v for k, v in module.named_parameters() if k not in recorded}
     return params, {k: v for k, v in module.named_buffers() if k not in recorded}

@@ -74,8 +74,8 @@ def test_index_links_every_page():
 
 def _mentioned(name: str, text: str) -> bool:
     """``name`` as code: ``fs.name``, ``funcshard.name``, or ``policy.`` / ``testing.`` /
-    ``optim.`` ``name``, or in backticks."""
-    prefixes = r"\bfs\.|\bfuncshard\.|\bpolicy\.|\btesting\.|\boptim\.|`"
+    ``optim.`` / ``checkpoint.`` ``name``, or in backticks."""
+    prefixes = r"\bfs\.|\bfuncshard\.|\bpolicy\.|\btesting\.|\boptim\.|\bcheckpoint\.|`"
     return re.search(rf"(?:{prefixes}){re.escape(name)}\b", text) is not None
 
 
@@ -86,6 +86,7 @@ def _mentioned(name: str, text: str) -> bool:
         | {f"policy.{n}" for n in fs.policy.__all__}
         | {f"testing.{n}" for n in fs.testing.__all__}
         | {f"optim.{n}" for n in fs.optim.__all__}
+        | {f"checkpoint.{n}" for n in fs.checkpoint.__all__}
     ),
 )
 def test_public_name_is_documented(name):

@@ -176,7 +176,7 @@ def fully_sharded_module():
     return [
         raises(lambda: apply(sharded, x), ValueError, "'1'", "fully_shard", "without"),
         raises(lambda: fs.functional_call(model, fs.unshard(sharded), (x,)), ValueError, "'1'"),
-        raises(lambda: fs.extract(model), ValueError, "extract", "fully_shard"),
+        raises(lambda: fs.plan(model), ValueError, "'1'", "fully_shard"),
     ]
 
 

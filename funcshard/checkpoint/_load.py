@@ -1,0 +1,187 @@
+"""``load`` a checkpoint into the structure, meshes and placements of a ``like`` tree.
+
+[Note: loading is resharding]
+DCP stores every tensor as chunks with their global offsets and reads, for each tensor it is
+asked to fill, the overlapping parts of the saved chunks. ``load`` asks it to fill fresh tensors
+placed like ``like``'s leaves, so a checkpoint saved on 2 ranks loads on 1 or 4, on a 1-D or a
+2-D (HSDP) mesh, with ``Shard(0)`` or ``Shard(1)``, or into plain full tensors: bytes are copied,
+never recomputed, so every value is bit for bit the saved one.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+from torch.distributed.tensor import DTensor
+
+from .._tree import PyTree, _few, unflatten
+from ._comm import distributed, rank_world
+from ._layout import MANIFEST, describe, flatten, rank_key, read_manifest
+from ._rng import RNGState, derive
+
+
+def load(path: str | os.PathLike, like: PyTree, *, strict: bool = True) -> PyTree:
+    """Load the checkpoint at ``path`` into a new tree shaped and placed like ``like``.
+
+    Collective (every rank calls it). ``like`` gives the structure and, per leaf, where the value
+    goes: a DTensor's mesh and placements (its values are not read; a meta local tensor is
+    enough, e.g. ``fs.shard(meta_params, mesh)``), a plain tensor's device (the full value), a
+    scalar's type, or an :class:`RNGState` (this rank's saved states; see
+    [Note: RNG states are per rank]). ``like`` itself is not modified. Also loads a plain
+    ``torch.distributed.checkpoint`` directory (e.g. an FSDP2 model's state dict), whose keys are
+    compared with ``like``'s the same way.
+
+    Args:
+        path: a checkpoint directory written by :func:`save` (or by DCP).
+        like: a pytree whose leaves' keys (see [Note: checkpoint keys]) are in the checkpoint.
+        strict: also require every saved key to be in ``like`` (default), so that nothing saved
+            (the optimizer state, the RNG, the step) is silently left behind. ``False`` loads a
+            part, e.g. only ``{"params": ...}`` of a training checkpoint.
+
+    Returns:
+        A tree with ``like``'s structure; tensors keep ``like``'s ``requires_grad``.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        RuntimeError: ``path`` is not a checkpoint, its manifest or ``.metadata`` is corrupted,
+            or a data file is truncated (each names the file, and the key where it applies).
+        ValueError: ``like`` has a key the checkpoint lacks, a leaf of another shape, dtype or
+            kind, or (with ``strict``) lacks a saved key.
+    """
+    path = os.path.abspath(os.fspath(path))
+    keys, leaves, spec = flatten(like, "load")
+    saved, metadata, world, source = _saved(path)
+    _check(source, saved, keys, leaves, strict)
+    rank, _ = rank_world()
+    src = rank % world
+    targets: dict[str, Any] = {}
+    for key, leaf in zip(keys, leaves, strict=True):
+        if isinstance(leaf, RNGState):
+            for name, t in leaf.tensors().items():
+                targets[rank_key(key, src, name)] = torch.empty_like(t)
+        else:
+            targets[key] = _empty_like(leaf) if isinstance(leaf, torch.Tensor) else leaf
+    _check_files(path, metadata, targets)
+    with warnings.catch_warnings():  # DCP warns that it loads in one process without a group
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(targets, storage_reader=dcp.FileSystemReader(path), no_dist=not distributed())
+    out = []
+    for key, leaf in zip(keys, leaves, strict=True):
+        if isinstance(leaf, RNGState):
+            names = leaf.tensors()
+            state = RNGState.from_tensors({n: targets[rank_key(key, src, n)] for n in names})
+            out.append(state if rank < world else derive(state, rank))
+        elif isinstance(leaf, torch.Tensor):
+            out.append(targets[key].requires_grad_(leaf.requires_grad))
+        else:
+            out.append(targets[key])
+    return unflatten(spec, out)
+
+
+def _saved(path: str) -> tuple[dict[str, dict], Metadata, int, str]:
+    """``(leaf descriptions, DCP metadata, saved world size, file to name in errors)``."""
+    if not os.path.isdir(path):
+        hint = " (fs.checkpoint.latest(dir) finds the newest checkpoint in a directory)"
+        raise FileNotFoundError(f"no checkpoint directory {path}{hint}.")
+    manifest = read_manifest(path)
+    meta_file = os.path.join(path, ".metadata")
+    if not os.path.exists(meta_file):
+        held = _few(sorted(os.listdir(path)))
+        detail = (
+            "its manifest lists data DCP never finished writing"
+            if manifest
+            else f"it has neither {MANIFEST} nor .metadata (it holds {held or 'nothing'})"
+        )
+        raise RuntimeError(
+            f"{path} is not a loadable checkpoint: {detail}. Pass a directory written by "
+            "fs.checkpoint.save or torch.distributed.checkpoint.save."
+        )
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+        entries = metadata.state_dict_metadata
+    except Exception as e:  # unpickling a damaged file fails in many ways
+        raise RuntimeError(
+            f"{meta_file} is corrupted ({type(e).__name__}: {e}); load an earlier checkpoint."
+        ) from e
+    if manifest is not None:
+        return manifest["leaves"], metadata, manifest["world_size"], os.path.join(path, MANIFEST)
+    described = {
+        k: {"kind": "object"}
+        if isinstance(m, BytesStorageMetadata)
+        else {"kind": "tensor", "shape": list(m.size), "dtype": str(m.properties.dtype)[6:]}
+        for k, m in entries.items()
+    }
+    return described, metadata, 1, meta_file
+
+
+def _check(source: str, saved: dict[str, dict], keys, leaves, strict: bool) -> None:
+    missing = [k for k in keys if k not in saved]
+    if missing:
+        raise ValueError(
+            f"load: like has keys that {source} lacks: {_few(missing)}. It has "
+            f"{_few(sorted(saved))}. Build like with the structure that was saved."
+        )
+    extra = sorted(set(saved) - set(keys))
+    if strict and extra:
+        raise ValueError(
+            f"load: {source} has keys that like lacks: {_few(extra)}. Add them to like (the "
+            "optimizer state, the step, the RNG states?), or pass strict=False to load a part."
+        )
+    for key, leaf in zip(keys, leaves, strict=True):
+        want, have = describe(leaf), saved[key]
+        if have["kind"] == "object" and want["kind"] == "scalar":
+            continue  # a pickled value in a plain DCP checkpoint
+        if any(
+            want.get(f) != have.get(f) for f in ("kind", "shape", "dtype", "type", "generators")
+        ):
+            raise ValueError(
+                f"load: {key!r} is {_what(have)} in {source}, but {_what(want)} in like. Build "
+                "like the way the saved tree was built (model configuration, dtype); convert "
+                "after loading if you need another dtype."
+            )
+
+
+def _what(desc: dict) -> str:
+    kind = desc["kind"]
+    if kind == "tensor":
+        return f"a {desc['dtype']} tensor of shape {desc['shape']}"
+    if kind == "rng":
+        return f"RNG states {desc['generators']}"
+    return "a pickled object" if kind == "object" else f"a {desc['type']}"
+
+
+def _empty_like(leaf: torch.Tensor) -> torch.Tensor:
+    """A fresh tensor to load into, placed like ``leaf`` (meta leaves: on the mesh's device)."""
+    if isinstance(leaf, DTensor):
+        mesh, local = leaf.device_mesh, leaf.to_local()
+        device = mesh.device_type if local.is_meta else local.device
+        fresh = torch.empty(local.shape, dtype=leaf.dtype, device=device)
+        return DTensor.from_local(
+            fresh, mesh, leaf.placements, run_check=False, shape=leaf.shape, stride=leaf.stride()
+        )
+    device = "cpu" if leaf.is_meta else leaf.device
+    return torch.empty(leaf.shape, dtype=leaf.dtype, device=device)
+
+
+def _check_files(path: str, metadata: Metadata, targets: dict[str, Any]) -> None:
+    """Every data range the load reads exists: a clear error for truncated or missing files."""
+    sizes: dict[str, int] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        if index.fqn not in targets:
+            continue
+        file = os.path.join(path, info.relative_path)
+        if file not in sizes:
+            sizes[file] = os.path.getsize(file) if os.path.exists(file) else -1
+        end = info.offset + info.length
+        if sizes[file] < end:
+            state = "missing" if sizes[file] < 0 else f"truncated ({sizes[file]} bytes)"
+            raise RuntimeError(
+                f"{file} is {state}: key {index.fqn!r} is stored at bytes "
+                f"{info.offset}..{end} of it. The checkpoint {path} is damaged; load an earlier "
+                "one."
+            )
