@@ -11,6 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import _sink
+from ._compile import traced
 from ._spec import LocalShard
 from ._tree import flatten, unflatten
 from .transforms._unshard import unshard
@@ -73,7 +74,7 @@ def value_and_grad(
         value = value.detach()
         return ((value, aux) if has_aux else value), result
 
-    return wrapped
+    return traced(wrapped)  # see [Note: funcshard under torch.compile]
 
 
 def grad(

@@ -31,6 +31,16 @@ used, a backward reduce-scatter when the gradient crosses a wait node (``Notify`
 between). Every Function waits its inputs, and ``_flat`` waits before any plain op reads the
 data, so a pending tensor never escapes. Under ``torch.func`` transforms (and anomaly mode)
 everything is synchronous: functorch would need batching and grad rules for the wait itself.
+
+[Note: collectives under torch.compile]
+While ``torch.compile`` traces (see [Note: funcshard under torch.compile] in ``_compile``), the
+functional collectives are recorded into the graph, and a collective's result is the output of
+its ``wait_tensor``: every reader must read that output, or the compiler could schedule a read
+before the wait. So nothing is pending across autograd (no ``Notify`` waits, no donated inputs),
+``wait`` returns ``wait_tensor``'s output for the collectives issued in this trace and leaves
+other tensors alone, and :func:`start_all_gather` issues the functional all-gather early (a
+prefetch) and lets its ``wait`` stand where the gathered tensors are first used. The Functions'
+``jvp`` rules never meet Dynamo: it does not trace inside funcshard.
 """
 
 from __future__ import annotations
@@ -42,6 +52,8 @@ import sys
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
+
+from ._compile import compiling, issued, waits_for
 
 _ops = torch.ops._c10d_functional
 
@@ -82,6 +94,8 @@ def wait(t: torch.Tensor) -> torch.Tensor:
     Waits on a detached alias: the work is found by storage, and ``wait_tensor``'s own
     (old-style) autograd must not enter our graphs. Never call it on functorch-wrapped tensors.
     """
+    if compiling():  # see [Note: collectives under torch.compile]
+        return _ops.wait_tensor(t) if waits_for(t) else t
     _ops.wait_tensor(t.detach())
     if _DONATED:
         donated = _DONATED.pop(t.untyped_storage().data_ptr(), None)
@@ -92,6 +106,8 @@ def wait(t: torch.Tensor) -> torch.Tensor:
 
 def async_allowed() -> bool:
     """Whether collectives issued here may return pending tensors (see [Note: pending tensors])."""
+    if compiling():  # see [Note: collectives under torch.compile]
+        return False
     return torch._C._functorch.peek_interpreter_stack() is None and not torch.is_anomaly_enabled()
 
 
@@ -138,7 +154,7 @@ def _all_gather(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """Gather ``x`` along ``comm.dim`` (synchronously unless ``dim == 0`` and async)."""
     x = wait(x).to(comm.gather_dtype or x.dtype)
     with record_function(f"funcshard::all_gather ({comm.label})"):
-        y = _ops.all_gather_into_tensor(x.contiguous(), comm.world, comm.group.group_name)
+        y = issued(_ops.all_gather_into_tensor(x.contiguous(), comm.world, comm.group.group_name))
     if comm.dim == 0:
         return _pending_or_waited(y, comm, None)
     y = wait(y).view(comm.world, *x.shape).movedim(0, comm.dim)
@@ -151,7 +167,7 @@ def _reduce_scatter(x, comm: Comm, out_dtype: torch.dtype, donated: bool) -> tor
     if d != 0:  # [A, W*c, B] -> [W*A, c, B]: rank r's chunk is contiguous, returns as [A, c, B]
         x = x.unflatten(d, (w, x.shape[d] // w)).movedim(d, 0).flatten(0, 1).contiguous()
     with record_function(f"funcshard::reduce_scatter ({comm.label})"):
-        y = _ops.reduce_scatter_tensor(x, "sum", w, comm.group.group_name)
+        y = issued(_ops.reduce_scatter_tensor(x, "sum", w, comm.group.group_name))
     if d == 0 and comm.async_op and y.dtype == out_dtype:
         if ours and copies_reduce_scatter_input(comm.group, x.device.type):
             x.untyped_storage().resize_(0)  # see [Note: gloo copies reduce-scatter inputs]
@@ -182,7 +198,7 @@ def _all_reduce(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     x = wait(x)
     y, _ = _reduce_input(x, comm, False)
     with record_function(f"funcshard::all_reduce ({comm.label})"):
-        y = _ops.all_reduce(y, "sum", comm.group.group_name)
+        y = issued(_ops.all_reduce(y, "sum", comm.group.group_name))
     if comm.async_op and y.dtype == x.dtype and y.numel():
         return y
     return wait(y).to(x.dtype)
@@ -197,9 +213,11 @@ class Started:
     """An all-gather issued by :func:`start_all_gather`: its output and c10d work."""
 
     output: torch.Tensor
-    work: dist.Work
+    work: dist.Work | None  # None: a functional collective (under torch.compile)
 
     def wait(self) -> torch.Tensor:
+        if self.work is None:
+            return wait(self.output)
         self.work.wait()
         return self.output
 
@@ -208,7 +226,13 @@ def start_all_gather(comm: Comm, pieces) -> Started:
     """Issue the all-gather of ``pieces`` outside autograd, copying them straight into this
     rank's slot of the output (no separate input buffer, as FSDP2's copy-in). The result is
     handed to :class:`AllGather` later (see [Note: issue early, record late] in ``_flat``).
-    Plain autograd only (an in-place collective)."""
+    Plain autograd only (an in-place collective); under ``torch.compile``, the functional one
+    (see [Note: collectives under torch.compile])."""
+    if compiling():
+        flat = _flat_pieces([p.detach() for p in pieces], 0, comm.gather_dtype or pieces[0].dtype)
+        with record_function(f"funcshard::all_gather ({comm.label})"):
+            y = _ops.all_gather_into_tensor(flat, comm.world, comm.group.group_name)
+        return Started(issued(y), None)
     numels = [p.numel() for p in pieces]
     size = sum(numels)
     dtype = comm.gather_dtype or pieces[0].dtype

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ._compile import untraced
 from ._spec import ShardSpec
 
 Leaf = tuple[str, ShardSpec, torch.dtype, bool]
@@ -52,7 +53,8 @@ def agree(fn: str, leaves: Sequence[Leaf], options: tuple = ()) -> None:
     key = (dist.group.WORLD, fn, tuple(leaves), options)
     if key in _AGREED:
         return
-    entries = _describe(leaves, options)
+    with untraced():  # under torch.compile: checked at trace time, never part of the graph
+        entries = _describe(leaves, options)
     if _same_everywhere(_digest(entries)):
         _AGREED.add(key)
         return

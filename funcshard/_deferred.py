@@ -23,6 +23,8 @@ from typing import Protocol
 import optree
 import torch
 
+from ._compile import untraced
+
 # Answered from the placeholder's own (meta) metadata, without resolving.
 _METADATA = {
     torch.Tensor.dim,
@@ -79,7 +81,9 @@ class Deferred(torch.Tensor):
 
     @staticmethod
     def __new__(cls, fqn: str, shape, dtype: torch.dtype, device, resolver: Resolver) -> Deferred:
-        t = torch.Tensor._make_subclass(cls, torch.empty(shape, dtype=dtype, device="meta"))
+        with untraced():  # a plain meta tensor, also while torch.compile traces
+            placeholder = torch.empty(shape, dtype=dtype, device="meta")
+        t = torch.Tensor._make_subclass(cls, placeholder)
         t._fqn, t._resolver, t._device = fqn, resolver, torch.device(device)
         return t
 

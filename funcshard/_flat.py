@@ -30,6 +30,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 from . import _collectives as C
+from ._compile import compiling
 from ._spec import ShardSpec
 
 
@@ -203,7 +204,8 @@ def _start_level(xs, layouts, mesh_dim: int, comm: C.Comm, replicas=()) -> _Leve
     dims = [lay.dim(mesh_dim) for lay in layouts]
     sizes = [lay.levels[mesh_dim][d] for lay, d in zip(layouts, dims, strict=True)]
     padded = [_pad(x, d, -(-n // comm.world)) for x, d, n in zip(xs, dims, sizes, strict=True)]
-    started = C.start_all_gather(comm, padded) if comm.async_op else None
+    # under torch.compile, issued early too: see [Note: collectives under torch.compile]
+    started = C.start_all_gather(comm, padded) if comm.async_op or compiling() else None
     if all(x.numel() == 0 for x in xs):
         # [Note: empty shards are reduced synchronously]
         # A pending gradient is waited where it reaches a wait node, found by its storage. If all
@@ -254,6 +256,8 @@ def _release(tensors: Sequence[torch.Tensor], keep: Sequence[torch.Tensor]) -> N
     unless a result is a view of it (single-tensor buckets). (Reduction inputs we own are freed
     the same way when waited: see ``_collectives.wait``.)
     """
+    if compiling():  # traced tensors have no storage: the compiler frees after the last use
+        return
     kept = {t.untyped_storage().data_ptr() for t in keep}
     for t in tensors:
         storage = t.untyped_storage()

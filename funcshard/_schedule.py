@@ -52,6 +52,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _flat, _sink
 from ._collectives import Notify, async_allowed
+from ._compile import regathered, root, traced, traced_autograd, with_recorded_hooks
 from ._consensus import agree, leaf
 from ._deferred import Deferred
 from ._extract import aliases, functional_call
@@ -95,6 +96,7 @@ def schedule(
     tied = aliases(module)
     unplanned = [n for n, _ in module.named_parameters() if n not in group_of and n not in tied]
 
+    @traced  # see [Note: funcshard under torch.compile]
     def apply(sharded: Mapping[str, Any], *args: Any, buffers=None, **kwargs: Any) -> Any:
         params = _check_tree(sharded, group_of, unplanned)
         run = _Run(plan, sharded, _flat.Options("", param_dtype, reduce_dtype, mean))
@@ -141,10 +143,10 @@ def _check_tree(sharded, group_of, unplanned) -> dict[str, Any]:
 class _Saved:
     """What the pack hook keeps for a saved tensor that belongs to a group's full parameters."""
 
-    __slots__ = ("group", "tensor")
+    __slots__ = ("group", "raw", "tensor")
 
-    def __init__(self, group: str, tensor: torch.Tensor) -> None:
-        self.group, self.tensor = group, tensor
+    def __init__(self, group: str, tensor: torch.Tensor, raw: list[torch.Tensor]) -> None:
+        self.group, self.tensor, self.raw = group, tensor, raw  # raw: the gather it came from
 
 
 class _Group:
@@ -196,6 +198,9 @@ class _Group:
                     s = t.untyped_storage()
                     seen.setdefault(s.data_ptr(), (s, s.nbytes()))
                 self.storages = list(seen.values())
+            elif traced_autograd():  # new tensors: see [Note: a plan under torch.compile]
+                with torch.no_grad():
+                    self.raw = _flat.finish(inflight)
             else:  # refill the freed storage in place
                 with torch.no_grad():
                     for s, nbytes in self.storages:
@@ -215,6 +220,9 @@ class _Group:
             self.resident = False
 
     def pointers(self) -> list[int]:
+        """Keys of the full tensors' storages, for ``_Run.owner`` (see ``_Run.key``)."""
+        if traced_autograd():
+            return [id(root(t)) for t in self.raw or ()] if self.resident else []
         return [s.data_ptr() for s, _ in self.storages if s.data_ptr()]
 
 
@@ -256,6 +264,7 @@ class _Run:
         # Frees need a way to refill storage before backward reads it: saved-tensor hooks,
         # which torch.func refuses (see [Note: reshard after forward ...]).
         self.tracking = async_allowed()
+        self.traced = traced_autograd()  # see [Note: a plan under torch.compile]
         self.groups: dict[str, _Group] = {}
         self.index: dict[str, tuple[_Group, int]] = {}
         for g in plan.groups:
@@ -337,7 +346,7 @@ class _Run:
             state.issue()
         elif step.op == "wait":
             self._materialize(state)
-        elif step.op == "free" and self.tracking and (direction == "forward" or state.frozen):
+        elif step.op == "free" and self.frees and (direction == "forward" or state.frozen):
             if state.name in self.holding:  # needed by the operation being resolved
                 self.held_frees.append(state)
             else:
@@ -393,27 +402,39 @@ class _Run:
             state = self.groups[step.group]
             if step.op == "wait" and state.pending:
                 state.free()  # a prefetch the module never needed
-            elif step.op == "free" and self.tracking:
+            elif step.op == "free" and self.frees:
                 self._free(state)
-        if self.tracking:  # groups gathered on demand are freed like planned ones
+        if self.frees:  # groups gathered on demand are freed like planned ones
             reshard = {g.name: g.reshard_after_forward for g in self.plan.groups}
             for name, state in self.groups.items():
                 if reshard[name] and (state.resident or state.pending):
                     self._free(state)
 
     # ---- backward ------------------------------------------------------------------------
+    @property
+    def frees(self) -> bool:
+        """Whether groups are freed after forward (and gathered again by the hooks)."""
+        return self.tracking or self.traced
+
     def saved_tensor_hooks(self):
-        if not (self.tracking and torch.is_grad_enabled()):
+        if not (self.frees and torch.is_grad_enabled()):
             return contextlib.nullcontext()
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        return with_recorded_hooks(hooks) if self.traced else hooks
 
     def _pack(self, t: torch.Tensor):
-        group = self.owner.get(t.untyped_storage().data_ptr()) if self.owner else None
-        return t if group is None else _Saved(group, t)
+        if not self.owner:
+            return t
+        key = id(root(t)) if self.traced else t.untyped_storage().data_ptr()
+        group = self.owner.get(key)
+        return t if group is None else _Saved(group, t, self.groups[group].raw)
 
     def _unpack(self, saved):
         if isinstance(saved, _Saved):
             self._use(self.backward, saved.group)
+            state = self.groups[saved.group]
+            if self.traced and state.raw is not saved.raw:  # gathered again since
+                return regathered(saved.tensor, saved.raw, state.raw)
             return saved.tensor
         return saved
 

@@ -30,6 +30,7 @@ import torch.utils._pytree as torch_pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from ._compile import untraced
 from ._tree import PyTree, map_with_path
 
 
@@ -268,7 +269,8 @@ def _mesh_problem(mesh: DeviceMesh) -> str | None:
         return f"which does not include this rank ({dist.get_rank()})"
     for d in range(mesh.ndim):
         index = tuple(slice(None) if i == d else c for i, c in enumerate(coord))
-        along = mesh.mesh[index].tolist()
+        with untraced():  # a real tensor, also while torch.compile traces
+            along = mesh.mesh[index].tolist()
         ranks = dist.get_process_group_ranks(mesh.get_group(d))
         if along != ranks:
             return (

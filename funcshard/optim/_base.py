@@ -21,13 +21,20 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
+from .._compile import traced
 from .._tree import PyTree, flatten, flatten_like, unflatten
 
 InitFn = Callable[[PyTree], Any]
 UpdateFn = Callable[..., tuple[PyTree, Any]]
 
 
-class GradientTransformation(NamedTuple):
+class _Fields(NamedTuple):
+    init: InitFn
+    update: UpdateFn
+    update_inplace: UpdateFn | None = None
+
+
+class GradientTransformation(_Fields):
     """An optimizer, or one stage of one, as a pair of pure functions (optax's contract).
 
     - ``init(params) -> state``: a NamedTuple (or tuple of them) of tensors, the tree ones
@@ -38,11 +45,17 @@ class GradientTransformation(NamedTuple):
       :func:`step` falls back to ``update``). Same results, but it may overwrite ``grads``,
       ``state`` and ``params``, and returns ``None`` for leaves it has already applied to
       ``params``. See [Note: pure and donated updates].
+
+    ``update`` and ``update_inplace`` are stored as given, marked to be traced as a whole by
+    ``torch.compile`` (see [Note: funcshard under torch.compile]); outside it they are the same
+    calls.
     """
 
-    init: InitFn
-    update: UpdateFn
-    update_inplace: UpdateFn | None = None
+    __slots__ = ()
+
+    def __new__(cls, init: InitFn, update: UpdateFn, update_inplace: UpdateFn | None = None):
+        inplace = None if update_inplace is None else traced(update_inplace)
+        return super().__new__(cls, init, traced(update), inplace)
 
 
 class EmptyState(NamedTuple):
@@ -97,6 +110,7 @@ def check_like(fn: str, path: str, x: torch.Tensor, like: torch.Tensor, what: st
         )
 
 
+@traced  # see [Note: funcshard under torch.compile]
 @torch.no_grad()
 def apply_updates(params: PyTree, updates: PyTree, *, inplace: bool = False) -> PyTree:
     """``params + updates``, leaf by leaf; a ``None`` update leaves the parameter as it is.

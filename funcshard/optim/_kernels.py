@@ -34,6 +34,7 @@ from torch.optim.adam import adam as torch_adam
 from torch.optim.optimizer import _get_scalar_dtype
 from torch.optim.sgd import sgd as torch_sgd
 
+from .._compile import compiling
 from .._tree import PyTree, flatten, map_with_path, unflatten
 from ._base import EmptyState, GradientTransformation, check_like, leaves_like, local, wrap
 from ._masked import Mask, resolve
@@ -256,7 +257,7 @@ def _adam_init(params: PyTree) -> AdamState:
 def _adam_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
     _check_state(hp.name, state, AdamState)
     pairs, fields = _pair(hp.name, grads, params, {"mu": state.mu, "nu": state.nu})
-    count = int(state.count)
+    count = _count_of(state)
     lr = _lr_at(hp, count)
     mu, nu = (
         _writable(fields["mu"], pairs.active, inplace),
@@ -272,6 +273,8 @@ def _adam_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
             [],
             _steps(count, len(idx)),
             foreach=hp.foreach,
+            # tensor steps all the way (see [Note: the step count under torch.compile])
+            capturable=isinstance(count, torch.Tensor),
             lr=lr,
             weight_decay=weight_decay,
             **dict(hp.options),
@@ -298,9 +301,9 @@ def _sgd_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
         )
     trees = {"momentum": state.momentum} if has_momentum else {}
     pairs, fields = _pair(hp.name, grads, params, trees)
-    count = int(state.count)
+    count = _count_of(state)
     lr = _lr_at(hp, count)
-    fresh = has_momentum and count == 0 and dict(hp.options)["dampening"] != 0
+    fresh = has_momentum and dict(hp.options)["dampening"] != 0 and _first(hp, count)
     bufs = [None] * len(pairs.paths)
     if has_momentum:
         bufs = _writable(fields["momentum"], pairs.active, inplace or fresh)
@@ -367,12 +370,43 @@ def _count() -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64)
 
 
-def _steps(count: int, n: int) -> list[torch.Tensor]:
+def _count_of(state) -> int | torch.Tensor:
+    """The number of updates done, as an int; under ``torch.compile``, the state's tensor
+    itself, so that the graph reads it at run time.
+
+    [Note: the step count under torch.compile]
+    Converting the count to a Python number while tracing would bake it into the graph (a
+    guard, and a recompilation at every step). Traced, it stays a tensor: torch's kernels take
+    tensor steps (as ``torch.optim`` does under compile), and a learning rate given as a number
+    does not depend on it. A schedule would: it needs the count as a number.
+    """
+    return state.count if compiling() else int(state.count)
+
+
+def _first(hp: _Hyper, count) -> bool:
+    if isinstance(count, torch.Tensor):  # see [Note: the step count under torch.compile]
+        raise NotImplementedError(
+            f"{hp.name}: momentum with dampening creates its buffers on the first step, which a "
+            "compiled step cannot tell from the others; use dampening=0, or keep the optimizer "
+            "step out of torch.compile."
+        )
+    return count == 0
+
+
+def _steps(count, n: int) -> list[torch.Tensor]:
     """torch's per-parameter ``state_steps`` (float scalars), before this update's increment."""
+    if isinstance(count, torch.Tensor):  # see [Note: the step count under torch.compile]
+        return [count.to(_get_scalar_dtype()) for _ in range(n)]
     return list(torch.full((n,), float(count), dtype=_get_scalar_dtype()).unbind(0))
 
 
-def _lr_at(hp: _Hyper, count: int) -> float:
+def _lr_at(hp: _Hyper, count) -> float:
+    if callable(hp.lr) and isinstance(count, torch.Tensor):
+        raise NotImplementedError(
+            f"{hp.name}: a learning-rate schedule needs the step count as a number, which a "
+            "compiled step does not have (see docs/compile.md); compile the gradient "
+            "computation and run the optimizer step outside torch.compile, or use a constant lr."
+        )
     value = hp.lr(count) if callable(hp.lr) else hp.lr
     value = float(value)
     if not math.isfinite(value) or value < 0:

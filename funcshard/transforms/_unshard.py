@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 
 from .. import _consensus, _flat, _sink
+from .._compile import traced
 from .._spec import as_local, check_materialized
 from .._tree import PyTree, flatten, unflatten
 
 
+@traced  # see [Note: funcshard under torch.compile]
 def unshard(
     sharded: PyTree,
     *,

@@ -1,0 +1,211 @@
+"""funcshard under ``torch.compile``: traced like ``jax.jit`` traces, not by Dynamo.
+
+[Note: funcshard under torch.compile]
+Dynamo rewrites Python bytecode; funcshard's Python (optree trees, the agreement check through
+the c10d store, the scheduler's cursor over a plan, ``Deferred`` parameters, autograd Functions
+with ``jvp`` rules) is a poor fit for it: each of those is a graph break or a guard on per-call
+state. But none of it depends on tensor *values*: it decides which collectives run, in which
+order, on which shapes. So every public transform is marked ``nonstrict_trace``
+(:func:`traced`): Dynamo does not look inside, and AOTAutograd runs the transform's ordinary
+Python once per compilation, on fake tensors, recording the torch ops it issues -- the way
+``jax.jit`` traces a function. The compiled graph takes the shards as inputs and is
+straight-line code: functional collectives (``_c10d_functional`` ops + ``wait_tensor``) and
+compute, with no Python left at run time, and Dynamo guards only on the arguments' structure,
+shapes, dtypes and placements (no recompilation while they stay the same).
+
+While tracing (``torch.compiler.is_compiling()``), the eager machinery that cannot be recorded
+steps aside: collectives are the functional ops, waited where their result is first used (see
+``_collectives.wait``), never pending across autograd; no storage is freed or refilled (the
+compiler frees a tensor after its last use); the agreement of the ranks (``_consensus``) is
+checked once per structure at trace time, as in eager. The scheduler follows its plan at trace
+time, so the graph issues the gathers in the plan's order (see [Note: a plan under
+torch.compile] in ``_schedule``).
+
+Consequences, as for ``jax.jit``: tensors a traced function reads from its closure (a
+``buffers`` dict captured by a loss) become constants of the graph, so pass tensors that change
+as arguments; Python side effects of the loss run at compile time only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import weakref
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import torch
+import torch.utils._pytree as torch_pytree
+from torch.utils._python_dispatch import _disable_current_modes
+
+F = TypeVar("F", bound=Callable)
+_SERIAL = itertools.count()
+
+
+def traced(fn: F) -> F:
+    """``fn``, traced by AOTAutograd rather than Dynamo when called under ``torch.compile``.
+
+    See [Note: funcshard under torch.compile]. Outside ``torch.compile`` this is a plain call.
+    ``fn``'s arguments and results must be pytrees (tensors, DTensors, LocalShards, Python
+    scalars, dtypes, ``None``, containers of them).
+    """
+    # Dynamo guards on a nonstrict_trace function by its code only, which they all share:
+    # without a guard of its own, a second one compiled would reuse the first one's graph
+    # (torch 2.13). The serial number, passed as an argument, is guarded on (Python scalars are
+    # specialized).
+    serial = next(_SERIAL)
+
+    def numbered(_serial, *args, **kwargs):
+        return _graphable(fn(*_decoded(args), **_decoded(kwargs)))
+
+    numbered.__name__ = numbered.__qualname__ = getattr(fn, "__name__", "fn")  # graph names
+    opaque = torch._dynamo.nonstrict_trace(numbered)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if not torch.compiler.is_dynamo_compiling():
+            return fn(*args, **kwargs)
+        return _ungraphed(opaque(serial, *_encoded(args), **_encoded(kwargs)))
+
+    return call  # type: ignore[return-value]
+
+
+# [Note: results through a nonstrict_trace boundary]
+# A graph carries neither ``None`` arguments nor ``None`` results of a nonstrict_trace function
+# (frozen parameters' gradients, a donated step's updates), and Dynamo cannot rebuild a
+# NamedTuple result (an optimizer state) from its flattened form (torch 2.13). Arguments: this
+# constant string stands for ``None`` on the way in (an argument equal to it would be mistaken
+# for None). Results: nodes of our own, ``_Absent`` (no leaves) and ``_Named``, stand for them
+# on the way out.
+_NONE = "<funcshard: None>"
+
+
+def _encoded(tree):
+    return torch_pytree.tree_map(lambda x: _NONE if x is None else x, tree)
+
+
+def _decoded(tree):
+    return torch_pytree.tree_map(lambda x: None if isinstance(x, str) and x == _NONE else x, tree)
+
+
+class _Absent:
+    """``None`` in a result."""
+
+
+class _Named:
+    """A NamedTuple in a result: its class and its fields."""
+
+    def __init__(self, cls: type, fields: list) -> None:
+        self.cls, self.fields = cls, fields
+
+
+torch_pytree.register_pytree_node(_Absent, lambda _: ([], None), lambda _, __: _Absent())
+torch_pytree.register_pytree_node(
+    _Named, lambda n: (list(n.fields), n.cls), lambda fields, cls: _Named(cls, list(fields))
+)
+
+
+def _graphable(tree):
+    named = torch_pytree._is_namedtuple_instance
+
+    def one(x):
+        if x is None:
+            return _Absent()
+        return _Named(type(x), [_graphable(v) for v in x]) if named(x) else x
+
+    return torch_pytree.tree_map(one, tree, is_leaf=lambda x: x is None or named(x))
+
+
+def _ungraphed(tree):
+    def one(x):
+        if isinstance(x, _Absent):
+            return None
+        return x.cls(*(_ungraphed(v) for v in x.fields)) if isinstance(x, _Named) else x
+
+    return torch_pytree.tree_map(one, tree, is_leaf=lambda x: isinstance(x, _Absent | _Named))
+
+
+def untraced() -> contextlib.AbstractContextManager:
+    """Leave the trace's fake and functional tensor modes, for metadata computed from real
+    tensors that are not part of the program (a mesh's rank tensor, a placeholder)."""
+    return _disable_current_modes()
+
+
+def compiling() -> bool:
+    """Whether funcshard's code runs as part of a ``torch.compile`` trace."""
+    return torch.compiler.is_compiling()
+
+
+@contextlib.contextmanager
+def recorded_saved_tensor_hooks() -> Iterator[None]:
+    """Let saved-tensor hooks pushed inside run while AOTAutograd traces.
+
+    AOTAutograd ignores saved-tensor hooks while it traces (they belong to the eager caller and
+    run around the compiled graph instead). The scheduler's hooks are part of the program being
+    traced: what they do on unpack -- gather a group again -- must be recorded in the graph's
+    backward. See [Note: a plan under torch.compile] in ``_schedule``.
+    """
+    set_tracing = getattr(torch._C._autograd, "_saved_tensors_hooks_set_tracing", None)
+    if set_tracing is None:  # an older torch: hooks always run
+        yield
+        return
+    prior = set_tracing(False)
+    try:
+        yield
+    finally:
+        set_tracing(prior)
+
+
+# Collective outputs issued in the running trace and not yet waited for, by id (tensors compare
+# elementwise, so they cannot be keys). See [Note: collectives under torch.compile].
+_ISSUED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def issued(t: torch.Tensor) -> torch.Tensor:
+    """Remember ``t``, a functional collective's output, as needing a ``wait_tensor`` (while
+    tracing; a no-op otherwise). Returns ``t``."""
+    if compiling():
+        _ISSUED[id(t)] = t
+    return t
+
+
+def waits_for(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a collective output issued in this trace and not yet waited (and forget
+    it: it is waited now)."""
+    return _ISSUED.pop(id(t), None) is t
+
+
+def traced_autograd() -> bool:
+    """Whether plain autograd is being traced by ``torch.compile`` (not inside a ``torch.func``
+    transform, which refuses saved-tensor hooks)."""
+    return compiling() and torch._C._functorch.peek_interpreter_stack() is None
+
+
+def root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage ``t`` views (``t`` itself if it is no view)."""
+    return t._base if t._is_view() else t
+
+
+def regathered(saved: torch.Tensor, old: list[torch.Tensor], new: list[torch.Tensor]):
+    """``saved`` -- one of the tensors ``old`` or a view of one -- re-expressed on ``new``, the
+    same tensors gathered again: the same view of the corresponding new storage.
+
+    Raises:
+        LookupError: ``saved`` views none of ``old`` (a bug: the scheduler's hooks only pass
+            tensors they recognised).
+    """
+    base = root(saved)
+    for o, n in zip(old, new, strict=True):
+        if root(o) is base:
+            return saved._view_func(root(n)) if saved._is_view() else root(n)
+    raise LookupError("funcshard: a saved tensor that views no gathered parameter")
+
+
+def with_recorded_hooks(hooks: contextlib.AbstractContextManager):
+    """``hooks`` (saved-tensor hooks), made to run while AOTAutograd traces: see
+    :func:`recorded_saved_tensor_hooks`."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(recorded_saved_tensor_hooks())
+    stack.enter_context(hooks)
+    return stack
