@@ -107,7 +107,7 @@ torch_pytree.register_pytree_node(
 
 
 def _graphable(tree):
-    named = torch_pytree._is_namedtuple_instance
+    named = torch_pytree.is_namedtuple_instance
 
     def one(x):
         if x is None:

@@ -30,7 +30,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 from . import _collectives as C
-from ._compile import compiling
+from ._compile import compiling, traced_autograd
 from ._spec import ShardSpec
 
 
@@ -205,7 +205,7 @@ def _start_level(xs, layouts, mesh_dim: int, comm: C.Comm, replicas=()) -> _Leve
     sizes = [lay.levels[mesh_dim][d] for lay, d in zip(layouts, dims, strict=True)]
     padded = [_pad(x, d, -(-n // comm.world)) for x, d, n in zip(xs, dims, sizes, strict=True)]
     # under torch.compile, issued early too: see [Note: collectives under torch.compile]
-    started = C.start_all_gather(comm, padded) if comm.async_op or compiling() else None
+    started = C.start_all_gather(comm, padded) if comm.async_op or traced_autograd() else None
     if all(x.numel() == 0 for x in xs):
         # [Note: empty shards are reduced synchronously]
         # A pending gradient is waited where it reaches a wait node, found by its storage. If all

@@ -30,7 +30,7 @@ import torch.utils._pytree as torch_pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from ._compile import untraced
+from ._compile import traced, untraced
 from ._tree import PyTree, map_with_path
 
 
@@ -116,18 +116,33 @@ class LocalShard:
         return f"LocalShard({shape} of {list(self.spec.shape)}, ({pl}), {getattr(t, 'dtype', '')})"
 
 
+# The pytree context of a LocalShard is a number standing for its spec, not the spec itself:
+# torch.compile must carry the context through its graphs as a constant, which it can do for a
+# number and not for a ShardSpec (see [Note: funcshard under torch.compile]).
+_SPECS: list[ShardSpec] = []
+_SPEC_NUMBERS: dict[ShardSpec, int] = {}
+
+
+def _spec_number(spec: ShardSpec) -> int:
+    number = _SPEC_NUMBERS.setdefault(spec, len(_SPECS))
+    if number == len(_SPECS):
+        _SPECS.append(spec)
+    return number
+
+
 torch_pytree.register_pytree_node(
     LocalShard,
-    lambda node: ([node.tensor], node.spec),
-    lambda children, spec: LocalShard(children[0], spec),
+    lambda node: ([node.tensor], _spec_number(node.spec)),
+    lambda children, number: LocalShard(children[0], _SPECS[number]),
     serialized_type_name="funcshard.LocalShard",
     flatten_with_keys_fn=lambda node: (
         [(torch_pytree.GetAttrKey("tensor"), node.tensor)],
-        node.spec,
+        _spec_number(node.spec),
     ),
 )
 
 
+@traced  # see [Note: funcshard under torch.compile]
 def to_local(sharded: PyTree) -> PyTree:
     """DTensor leaves -> :class:`LocalShard` leaves (same tree structure), for ``torch.func``.
 
@@ -141,6 +156,7 @@ def to_local(sharded: PyTree) -> PyTree:
     )
 
 
+@traced  # see [Note: funcshard under torch.compile]
 def from_local(tree: PyTree) -> PyTree:
     """:class:`LocalShard` leaves -> DTensors with their spec's placements (no communication).
 
