@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -41,6 +42,12 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 F = TypeVar("F", bound=Callable)
 _SERIAL = itertools.count()
+_CREATED_INSIDE = (
+    "funcshard: {name} was created inside a function that torch.compile is compiling. Create "
+    "funcshard's transforms once, outside it -- `vg = fs.value_and_grad(loss)`, "
+    "`apply = fs.schedule(...)`, `opt = fs.optim.adamw(...)` -- and call them inside; pass "
+    "what changes from step to step (batches) as arguments, not through a closure."
+)
 
 
 def traced(fn: F) -> F:
@@ -54,10 +61,24 @@ def traced(fn: F) -> F:
     # without a guard of its own, a second one compiled would reuse the first one's graph
     # (torch 2.13). The serial number, passed as an argument, is guarded on (Python scalars are
     # specialized).
+    if torch.compiler.is_dynamo_compiling():
+        raise RuntimeError(_CREATED_INSIDE.format(name=getattr(fn, "__name__", "a transform")))
     serial = next(_SERIAL)
 
     def numbered(_serial, *args, **kwargs):
-        return _graphable(fn(*_decoded(args), **_decoded(kwargs)))
+        try:
+            return _graphable(fn(*_decoded(args), **_decoded(kwargs)))
+        except Exception as e:
+            if not compiling():
+                raise
+            # Dynamo reports an exception raised here as "Unsupported output type for
+            # nonstrict_trace-ed function", without it (torch 2.13): say what it was.
+            warnings.warn(
+                f"funcshard: {numbered.__name__} raised {type(e).__name__} while torch.compile "
+                f"traced it: {e}",
+                stacklevel=2,
+            )
+            raise
 
     numbered.__name__ = numbered.__qualname__ = getattr(fn, "__name__", "fn")  # graph names
     opaque = torch._dynamo.nonstrict_trace(numbered)

@@ -30,6 +30,21 @@ parameters included) would stay alive forever. So the callback holds only a weak
 during backward the ``_Run`` is kept alive by the saved-tensor hooks of the nodes that still
 need it, and once none does there is nothing left to free.
 
+[Note: a plan under torch.compile]
+Under ``torch.compile`` the scheduler runs once, while the step is traced (see [Note: funcshard
+under torch.compile] in ``_compile``), and what it does becomes straight-line code in the graph:
+the plan's ``all_gather`` steps issue functional all-gathers (prefetches: issued early, waited
+where the group is first used), in the plan's order, forward and backward. Freeing cannot be
+recorded -- traced tensors have no storage to empty -- but it need not be: the compiler frees a
+tensor after its last use. So reshard-after-forward means making the forward's gathered tensors
+*not used* in backward: the saved-tensor hooks run during the trace (``_compile`` lets them), the
+pack hook recognises a group's full tensors (or views of them) by the tensor they view, and the
+unpack hook, which the backward trace calls where the group's backward starts, gathers the group
+again (the plan's backward steps, with their prefetch) and hands autograd the same view of the
+new tensors. The compiled backward then re-gathers each resharded group, as FSDP2 does, and the
+forward's gathers die after their last forward use. No ``Notify`` and no post-backward frees are
+needed (nothing is pending across autograd: see [Note: collectives under torch.compile]).
+
 [Note: out-of-plan use]
 A group used when the plan does not expect it is never wrong: if its tensors are unsharded it
 is simply used; otherwise it is gathered on demand (synchronously) with a ``UserWarning`` naming
@@ -220,7 +235,8 @@ class _Group:
             self.resident = False
 
     def pointers(self) -> list[int]:
-        """Keys of the full tensors' storages, for ``_Run.owner`` (see ``_Run.key``)."""
+        """Keys of the full tensors for ``_Run.owner``: their storages' addresses; traced, the
+        ids of the tensors they view (see [Note: a plan under torch.compile])."""
         if traced_autograd():
             return [id(root(t)) for t in self.raw or ()] if self.resident else []
         return [s.data_ptr() for s, _ in self.storages if s.data_ptr()]
@@ -264,7 +280,8 @@ class _Run:
         # Frees need a way to refill storage before backward reads it: saved-tensor hooks,
         # which torch.func refuses (see [Note: reshard after forward ...]).
         self.tracking = async_allowed()
-        self.traced = traced_autograd()  # see [Note: a plan under torch.compile]
+        # traced by torch.compile: frees and hooks in the graph's terms (see [Note: a plan ...])
+        self.traced = traced_autograd()
         self.groups: dict[str, _Group] = {}
         self.index: dict[str, tuple[_Group, int]] = {}
         for g in plan.groups:

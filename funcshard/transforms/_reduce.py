@@ -6,12 +6,14 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import _flat
+from .._compile import traced
 from .._consensus import agree
 from .._spec import LocalShard, as_local
 from .._tree import PyTree, flatten, flatten_like, unflatten
 from ._unshard import reduce_mean
 
 
+@traced  # see [Note: funcshard under torch.compile]
 def reduce(
     full_grads: PyTree,
     like: PyTree,

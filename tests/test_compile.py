@@ -1,0 +1,365 @@
+"""funcshard under torch.compile: the same values and gradients as eager, one compilation for a
+training step, the shards as graph inputs, and a scheduled step whose graph follows its plan
+(prefetch, and re-gathers in backward for reshard-after-forward). See docs/compile.md.
+
+Compiling is slow on the 2-core CI machine: the models are tiny, most tests use ``aot_eager``
+(the graphs AOTAutograd records, run op by op) and one uses ``inductor``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import funcshard as fs
+
+from _mesh import mesh
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, hidden)
+        self.fc2 = nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+class Net(nn.Module):
+    """The root (``inp``, ``out``) runs first and last; blocks of different widths, so that each
+    group's all-gather has its own size in a graph."""
+
+    def __init__(self, hidden=(5, 6)) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList(Block(8, h) for h in hidden)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def _setup(*mesh_shape, hidden=(3,)):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Net(hidden)
+    params, buffers = fs.extract(model)
+    sharded = fs.shard(params, mesh(*(mesh_shape or (dist.get_world_size(),))))
+    model.to("meta")
+    return model, sharded, buffers
+
+
+def _batch(step: int, n: int = 4, dtype=torch.float32):
+    g = torch.Generator().manual_seed(100 * step + dist.get_rank())
+    return torch.randn(n, 4, generator=g).to(dtype), torch.randn(n, 1, generator=g)
+
+
+def _copy(tree):
+    return {k: v.detach().clone() for k, v in tree.items()}
+
+
+def _recording(graphs: list):
+    """An aot_eager backend that keeps the graphs AOTAutograd makes."""
+
+    def keep(gm, _):
+        graphs.append(gm)
+        return gm
+
+    return aot_autograd(fw_compiler=keep, bw_compiler=keep)
+
+
+# ---- a whole training step ---------------------------------------------------------------------
+
+
+def whole_step():
+    """value_and_grad over unshard + fs.optim.step (AdamW), fullgraph: equal to eager for new
+    data every step, compiled once; the shards are inputs (an in-place change is seen)."""
+    model, sharded, buffers = _setup()
+    opt = fs.optim.adamw(1e-2, weight_decay=0.1)
+
+    def loss_fn(p, x, y):
+        return F.mse_loss(fs.functional_call(model, (fs.unshard(p), buffers), (x,)), y)
+
+    vg = fs.value_and_grad(loss_fn)
+
+    def step(params, state, x, y):
+        loss, grads = vg(params, x, y)
+        params, state = fs.optim.step(opt, params, grads, state)
+        return loss, params, state
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    eager_p, comp_p = _copy(sharded), _copy(sharded)
+    eager_s, comp_s = opt.init(eager_p), opt.init(comp_p)
+    for i in range(3):
+        x, y = _batch(i)
+        eager_loss, eager_p, eager_s = step(eager_p, eager_s, x, y)
+        comp_loss, comp_p, comp_s = compiled(comp_p, comp_s, x, y)
+        fs.testing.assert_close((comp_loss, comp_p), (eager_loss, eager_p), **TOL)
+    assert int(comp_s.count) == 3
+    with torch.no_grad():  # the graph reads the shards it is given, not copies of old ones
+        for p in (*eager_p.values(), *comp_p.values()):
+            p.to_local().mul_(0.5)
+    x, y = _batch(3)
+    fs.testing.assert_close(compiled(comp_p, comp_s, x, y)[0], step(eager_p, eager_s, x, y)[0])
+    return counter.frame_count
+
+
+def pure_update_step():
+    """The pure optimizer form (opt.update + apply_updates), SGD with momentum, and a frozen
+    parameter (its gradient and update are None) under fullgraph."""
+    model, sharded, buffers = _setup()
+    sharded["inp.bias"].requires_grad_(False)
+    opt = fs.optim.sgd(0.1, momentum=0.9)
+    vg = fs.value_and_grad(
+        lambda p, x, y: F.mse_loss(fs.functional_call(model, (fs.unshard(p), buffers), (x,)), y)
+    )
+
+    def step(params, state, x, y):
+        loss, grads = vg(params, x, y)
+        updates, state = opt.update(grads, state, params)
+        return loss, grads["inp.bias"], fs.optim.apply_updates(params, updates), state
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    eager = comp = (sharded, opt.init(sharded))
+    for i in range(2):
+        x, y = _batch(i)
+        e_loss, _, e_p, e_s = step(*eager, x, y)
+        c_loss, c_frozen, c_p, c_s = compiled(*comp, x, y)
+        assert c_frozen is None
+        fs.testing.assert_close((c_loss, c_p, c_s.momentum), (e_loss, e_p, e_s.momentum), **TOL)
+        eager, comp = (e_p, e_s), (c_p, c_s)
+    return counter.frame_count
+
+
+def test_whole_step(world2):
+    assert world2.run(whole_step) == [1, 1]
+    assert world2.run(pure_update_step) == [1, 1]
+
+
+# ---- the schedule in the graph -----------------------------------------------------------------
+
+
+def _flat_numel(plan, sharded) -> dict[int, str]:
+    """{numel of a group's all-gather input on this rank: group name}: the padded local pieces."""
+    world = dist.get_world_size()
+    out = {}
+    for g in plan.groups:
+        n = 0
+        for p in g.params:
+            shape = sharded[p].shape
+            n += -(-shape[0] // world) * shape[1:].numel()
+        out[n] = g.name
+    assert len(out) == len(plan.groups), "groups must differ in size for this test"
+    return out
+
+
+_VIEWS = {"view", "_unsafe_view", "t", "permute", "slice", "split_with_sizes", "getitem",
+          "clone", "reshape", "alias", "expand", "detach", "transpose", "as_strided"}  # fmt: skip
+
+
+def _events(graph, groups: dict[int, str]):
+    """The graph's all-gathers and their waits, as (op, group), in graph order; and, for each
+    group, the index of the last node that reads its first gather (through views and copies)."""
+    nodes = list(graph.graph.nodes)
+    events, gathered, first = [], {}, {}
+    for n in nodes:
+        name = getattr(n.target, "__name__", "").split(".")[0]
+        if name == "all_gather_into_tensor":
+            group = groups[n.args[0].meta["val"].numel()]
+            events.append(("all_gather", group))
+            gathered[n] = group
+        elif name == "wait_tensor" and n.args[0] in gathered:
+            group = gathered[n.args[0]]
+            events.append(("wait", group))
+            first.setdefault(group, n)
+    last_use = {}
+    for group, start in first.items():
+        derived, last = {start}, nodes.index(start)
+        for i, n in enumerate(nodes):
+            if any(a in derived for a in n.all_input_nodes):
+                last = i
+                if getattr(n.target, "__name__", "").split(".")[0] in _VIEWS:
+                    derived.add(n)
+        last_use[group] = last
+    return events, last_use, nodes
+
+
+def schedule_follows_plan(reshard: bool):
+    """A compiled scheduled step: eager's values, and a graph whose gathers are the plan's
+    all_gather/wait steps in order; with reshard_after_forward, the forward's gathered tensors
+    are not read in backward (each block is gathered again there)."""
+    model, sharded, buffers = _setup(hidden=(5, 6))
+    plan = fs.plan(model, fs.policy.by_type(Block), reshard_after_forward=reshard)
+    apply = fs.schedule(model, plan)
+    vg = fs.value_and_grad(lambda p, x, y: F.mse_loss(apply(p, x, buffers=buffers), y))
+    graphs = []
+    compiled = torch.compile(vg, backend=_recording(graphs), fullgraph=True)
+    for i in range(2):
+        x, y = _batch(i)
+        fs.testing.assert_close(compiled(sharded, x, y), vg(sharded, x, y), **TOL)
+    (graph,) = graphs  # one graph: forward and backward
+    events, last_use, nodes = _events(graph, _flat_numel(plan, sharded))
+    planned = [
+        (s.op, s.group) for s in plan.forward + plan.backward if s.op in ("all_gather", "wait")
+    ]
+    # autograd seeds the backward with ones_like(loss): everything after it is backward
+    backward_starts = next(i for i, n in enumerate(nodes) if "ones_like" in str(n.target))
+    kept_out = {g: last_use[g] < backward_starts for g in last_use if g}
+    return events == planned, events, planned, kept_out
+
+
+def test_schedule_follows_plan(world2):
+    for same, events, planned, kept_out in world2.run(schedule_follows_plan, True):
+        assert same, (events, planned)
+        assert planned.count(("all_gather", "blocks.0")) == 2  # forward, and again in backward
+        assert all(kept_out.values()), kept_out
+    for same, events, planned, kept_out in world2.run(schedule_follows_plan, False):
+        assert same, (events, planned)
+        assert planned.count(("all_gather", "blocks.0")) == 1
+        assert not any(kept_out.values()), kept_out  # the control: kept until backward
+
+
+def compiled_loss_only():
+    """torch.compile on the loss alone, value_and_grad outside: a forward and a backward graph;
+    the backward one re-gathers the resharded blocks."""
+    model, sharded, buffers = _setup(hidden=(5, 6))
+    plan = fs.plan(model, fs.policy.by_type(Block))
+    apply = fs.schedule(model, plan)
+    graphs = []
+
+    def loss_fn(p, x, y):
+        return F.mse_loss(apply(p, x, buffers=buffers), y)
+
+    compiled = fs.value_and_grad(torch.compile(loss_fn, backend=_recording(graphs), fullgraph=True))
+    for i in range(2):
+        x, y = _batch(i)
+        fs.testing.assert_close(compiled(sharded, x, y), fs.value_and_grad(loss_fn)(sharded, x, y))
+    gathers = [
+        sum("all_gather" in str(n.target) for n in g.graph.nodes) for g in graphs
+    ]  # forward graph, backward graph
+    return gathers
+
+
+def test_compiled_loss_only(world2):
+    for gathers in world2.run(compiled_loss_only):
+        assert gathers == [3, 2]  # root + 2 blocks; the 2 blocks again
+
+
+def mixed_precision_hsdp():
+    """param_dtype / reduce_dtype and a 2-D (replicate, shard) mesh, compiled."""
+    model, sharded, buffers = _setup(2, 1)
+    plan = fs.plan(model, fs.policy.by_type(Block))
+    apply = fs.schedule(model, plan, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    vg = fs.value_and_grad(lambda p, x, y: F.mse_loss(apply(p, x, buffers=buffers).float(), y))
+    compiled = torch.compile(vg, backend="aot_eager", fullgraph=True)
+    x, y = _batch(0, dtype=torch.bfloat16)
+    fs.testing.assert_close(compiled(sharded, x, y), vg(sharded, x, y))
+
+
+def test_mixed_precision_hsdp(world2):
+    world2.run(mixed_precision_hsdp)
+
+
+# ---- torch.func, inductor, and never silently falling back -------------------------------------
+
+
+def torch_func_transforms():
+    """torch.func.grad and vmap(grad) over fs.to_local trees, compiled with fullgraph."""
+    model, sharded, buffers = _setup()
+
+    def loss_fn(p, x, y):
+        return F.mse_loss(fs.functional_call(model, (fs.unshard(p), buffers), (x,)), y)
+
+    def grads(p, x, y):
+        return fs.from_local(torch.func.grad(loss_fn)(fs.to_local(p), x, y))
+
+    def per_sample(p, x, y):
+        each = torch.func.vmap(torch.func.grad(loss_fn), in_dims=(None, 0, 0))
+        out = each(fs.to_local(p), x.unsqueeze(1), y.unsqueeze(1))
+        return {k: v.tensor for k, v in out.items()}
+
+    x, y = _batch(0)
+    for fn in (grads, per_sample):
+        compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+        fs.testing.assert_close(compiled(sharded, x, y), fn(sharded, x, y), **TOL)
+
+
+def test_torch_func_transforms(world2):
+    world2.run(torch_func_transforms)
+
+
+def inductor_step():
+    """A whole step compiled by inductor (C++ kernels), on the smallest model."""
+    model, sharded, buffers = _setup()
+    opt = fs.optim.sgd(0.1)
+    vg = fs.value_and_grad(
+        lambda p, x, y: F.mse_loss(fs.functional_call(model, (fs.unshard(p), buffers), (x,)), y)
+    )
+
+    def step(params, state, x, y):
+        loss, grads = vg(params, x, y)
+        params, state = fs.optim.step(opt, params, grads, state)
+        return loss, params, state
+
+    compiled = torch.compile(step, backend="inductor", fullgraph=True)
+    eager_p, comp_p = _copy(sharded), _copy(sharded)
+    eager_s, comp_s = opt.init(eager_p), opt.init(comp_p)
+    for i in range(2):
+        x, y = _batch(i)
+        eager_loss, eager_p, eager_s = step(eager_p, eager_s, x, y)
+        comp_loss, comp_p, comp_s = compiled(comp_p, comp_s, x, y)
+        fs.testing.assert_close((comp_loss, comp_p), (eager_loss, eager_p), **TOL)
+
+
+def test_inductor(world2):
+    world2.run(inductor_step)
+
+
+def no_silent_fallback():
+    """What cannot be compiled raises instead of falling back to eager: a new input shape under
+    error_on_recompile; a learning-rate schedule (its step count is a tensor) under fullgraph,
+    with funcshard's own message in a warning."""
+    model, sharded, buffers = _setup()
+    vg = fs.value_and_grad(
+        lambda p, x, y: F.mse_loss(fs.functional_call(model, (fs.unshard(p), buffers), (x,)), y)
+    )
+    compiled = torch.compile(vg, backend="aot_eager", fullgraph=True)
+    compiled(sharded, *_batch(0))
+    problems = []
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        try:
+            compiled(sharded, *_batch(1, n=5))
+            problems.append("no RecompileError for a new batch size")
+        except torch._dynamo.exc.RecompileError:
+            pass
+    opt = fs.optim.sgd(fs.optim.linear_schedule(0.1, 0.0, 10))
+    state = opt.init(sharded)
+    step = torch.compile(lambda g, s, p: opt.update(g, s, p), backend="aot_eager", fullgraph=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            step(vg(sharded, *_batch(0))[1], state, sharded)
+            problems.append("a schedule compiled")
+        except torch._dynamo.exc.Unsupported:
+            pass
+    if not any("learning-rate schedule" in str(w.message) for w in caught):
+        problems.append(f"no warning naming the schedule: {[str(w.message) for w in caught]}")
+    return problems
+
+
+def test_no_silent_fallback(world2):
+    assert world2.run(no_silent_fallback) == [[], []]
