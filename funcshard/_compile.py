@@ -194,7 +194,30 @@ def issued(t: torch.Tensor) -> torch.Tensor:
 def waits_for(t: torch.Tensor) -> bool:
     """Whether ``t`` is a collective output issued in this trace and not yet waited (and forget
     it: it is waited now)."""
-    return _ISSUED.pop(id(t), None) is t
+    if _ISSUED.pop(id(t), None) is not t:
+        return False
+    _LAST_WAITED[0] = weakref.ref(t)
+    return True
+
+
+_LAST_WAITED: list[weakref.ref | None] = [None]  # in the running trace
+
+
+def after_last_wait(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors``, made to depend on the collective waited last in this trace.
+
+    [Note: re-gathers stay in backward]
+    A re-gather's copy-in reads only the shards, which the forward's copy-in of the same group
+    reads too; inductor fuses the two (shared reads) and so computes the backward's copy-in
+    buffer in forward, holding it until backward. Adding zero times one element of the last
+    collective output to each shard ties the copy-in to the point of the trace where it is
+    issued. (An infinite or NaN element there would spread: only a broken step has one.)
+    """
+    last = _LAST_WAITED[0] and _LAST_WAITED[0]()
+    if last is None:
+        return list(tensors)
+    zero = last.reshape(-1)[:1].sum() * 0
+    return [t + zero.to(t.dtype) for t in tensors]
 
 
 def traced_autograd() -> bool:

@@ -65,9 +65,8 @@ from torch import nn
 from torch.autograd.profiler import record_function
 from torch.distributed.tensor import DTensor
 
-from . import _flat, _sink
+from . import _compile, _flat, _sink
 from ._collectives import Notify, async_allowed
-from ._compile import regathered, root, traced, traced_autograd, with_recorded_hooks
 from ._consensus import agree, leaf
 from ._deferred import Deferred
 from ._extract import aliases, functional_call
@@ -111,7 +110,7 @@ def schedule(
     tied = aliases(module)
     unplanned = [n for n, _ in module.named_parameters() if n not in group_of and n not in tied]
 
-    @traced  # see [Note: funcshard under torch.compile]
+    @_compile.traced  # see [Note: funcshard under torch.compile]
     def apply(sharded: Mapping[str, Any], *args: Any, buffers=None, **kwargs: Any) -> Any:
         params = _check_tree(sharded, group_of, unplanned)
         run = _Run(plan, sharded, _flat.Options("", param_dtype, reduce_dtype, mean))
@@ -195,7 +194,10 @@ class _Group:
             self.armed = None
         else:  # a re-gather only refills storage: not part of the graph
             with torch.no_grad():
-                self.inflight = _flat.issue(self.locals, self.layouts, self.opts)
+                shards = self.locals
+                if _compile.traced_autograd():  # see [Note: re-gathers stay in backward]
+                    shards = _compile.after_last_wait(shards)
+                self.inflight = _flat.issue(shards, self.layouts, self.opts)
 
     def wait(self, notify: Callable | None, freeable: bool) -> None:
         """Make the full tensors usable. ``notify``: the first gather's post-backward callback;
@@ -213,7 +215,7 @@ class _Group:
                     s = t.untyped_storage()
                     seen.setdefault(s.data_ptr(), (s, s.nbytes()))
                 self.storages = list(seen.values())
-            elif traced_autograd():  # new tensors: see [Note: a plan under torch.compile]
+            elif _compile.traced_autograd():  # new tensors: see [Note: a plan under torch.compile]
                 with torch.no_grad():
                     self.raw = _flat.finish(inflight)
             else:  # refill the freed storage in place
@@ -237,8 +239,8 @@ class _Group:
     def pointers(self) -> list[int]:
         """Keys of the full tensors for ``_Run.owner``: their storages' addresses; traced, the
         ids of the tensors they view (see [Note: a plan under torch.compile])."""
-        if traced_autograd():
-            return [id(root(t)) for t in self.raw or ()] if self.resident else []
+        if _compile.traced_autograd():
+            return [id(_compile.root(t)) for t in self.raw or ()] if self.resident else []
         return [s.data_ptr() for s, _ in self.storages if s.data_ptr()]
 
 
@@ -281,7 +283,7 @@ class _Run:
         # which torch.func refuses (see [Note: reshard after forward ...]).
         self.tracking = async_allowed()
         # traced by torch.compile: frees and hooks in the graph's terms (see [Note: a plan ...])
-        self.traced = traced_autograd()
+        self.traced = _compile.traced_autograd()
         self.groups: dict[str, _Group] = {}
         self.index: dict[str, tuple[_Group, int]] = {}
         for g in plan.groups:
@@ -437,12 +439,12 @@ class _Run:
         if not (self.frees and torch.is_grad_enabled()):
             return contextlib.nullcontext()
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        return with_recorded_hooks(hooks) if self.traced else hooks
+        return _compile.with_recorded_hooks(hooks) if self.traced else hooks
 
     def _pack(self, t: torch.Tensor):
         if not self.owner:
             return t
-        key = id(root(t)) if self.traced else t.untyped_storage().data_ptr()
+        key = id(_compile.root(t)) if self.traced else t.untyped_storage().data_ptr()
         group = self.owner.get(key)
         return t if group is None else _Saved(group, t, self.groups[group].raw)
 
@@ -451,7 +453,7 @@ class _Run:
             self._use(self.backward, saved.group)
             state = self.groups[saved.group]
             if self.traced and state.raw is not saved.raw:  # gathered again since
-                return regathered(saved.tensor, saved.raw, state.raw)
+                return _compile.regathered(saved.tensor, saved.raw, state.raw)
             return saved.tensor
         return saved
 
