@@ -10,7 +10,8 @@ prefetch 1, reshard after forward) and over ``fs.unshard`` of the whole tree. FS
 is ``torch.compile`` of the ``fully_shard`` model (its hooks run eagerly between graphs, as
 FSDP2 does under Dynamo). Compile time is the first call's; recompilations are counted after
 it. Steps are interleaved so that machine noise hits all variants alike; times are medians.
-Peak memory comes from the allocator's events during one step (see ``benchmarks/step.py``).
+Peak memory comes from the allocator's events during a step (the median of three; see
+``benchmarks/step.py``).
 Nothing is asserted: the numbers are for people.
 """
 
@@ -133,14 +134,16 @@ def main() -> None:
             if i >= args.warmup:
                 times[name].append(time.perf_counter() - t0)
     for name, (step, counter) in ok.items():
-        dist.barrier()
-        own, _ = peak_bytes(lambda step=step: step(data[0]), this_thread=True)
-        dist.barrier()
-        peak, _ = peak_bytes(lambda step=step: step(data[0]))
+        own, peak = [], []
+        for _ in range(3):  # the peak moves with when gloo's threads free: take the median
+            dist.barrier()
+            own.append(peak_bytes(lambda step=step: step(data[0]), this_thread=True)[0])
+            dist.barrier()
+            peak.append(peak_bytes(lambda step=step: step(data[0]))[0])
         results[name].update(
             step_ms=statistics.median(times[name]) * 1e3,
-            peak_mib=own / 2**20,
-            peak_all_threads_mib=peak / 2**20,
+            peak_mib=statistics.median(own) / 2**20,
+            peak_all_threads_mib=statistics.median(peak) / 2**20,
             recompiles=counter.frame_count - results[name]["frames"] if counter else None,
         )
     if rank == 0:
