@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -41,7 +42,7 @@ import torch.utils._pytree as torch_pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
 F = TypeVar("F", bound=Callable)
-_SERIAL = itertools.count()
+_NUMBERS = itertools.count()
 _CREATED_INSIDE = (
     "funcshard: {name} was created inside a function that torch.compile is compiling. Create "
     "funcshard's transforms once, outside it -- `vg = fs.value_and_grad(loss)`, "
@@ -57,15 +58,11 @@ def traced(fn: F) -> F:
     ``fn``'s arguments and results must be pytrees (tensors, DTensors, LocalShards, Python
     scalars, dtypes, ``None``, containers of them).
     """
-    # Dynamo guards on a nonstrict_trace function by its code only, which they all share:
-    # without a guard of its own, a second one compiled would reuse the first one's graph
-    # (torch 2.13). The serial number, passed as an argument, is guarded on (Python scalars are
-    # specialized).
     if torch.compiler.is_dynamo_compiling():
         raise RuntimeError(_CREATED_INSIDE.format(name=getattr(fn, "__name__", "a transform")))
-    serial = next(_SERIAL)
+    name = getattr(fn, "__name__", "fn")
 
-    def numbered(_serial, *args, **kwargs):
+    def body(*args, **kwargs):
         try:
             return _graphable(fn(*_decoded(args), **_decoded(kwargs)))
         except Exception as e:
@@ -74,22 +71,36 @@ def traced(fn: F) -> F:
             # Dynamo reports an exception raised here as "Unsupported output type for
             # nonstrict_trace-ed function", without it (torch 2.13): say what it was.
             warnings.warn(
-                f"funcshard: {numbered.__name__} raised {type(e).__name__} while torch.compile "
-                f"traced it: {e}",
+                f"funcshard: {name} raised {type(e).__name__} while torch.compile traced it: {e}",
                 stacklevel=2,
             )
             raise
 
-    numbered.__name__ = numbered.__qualname__ = getattr(fn, "__name__", "fn")  # graph names
-    opaque = torch._dynamo.nonstrict_trace(numbered)
+    body.__name__ = body.__qualname__ = name  # names in graphs
+    opaque = torch._dynamo.nonstrict_trace(body)
 
-    @functools.wraps(fn)
     def call(*args, **kwargs):
         if not torch.compiler.is_dynamo_compiling():
             return fn(*args, **kwargs)
-        return _ungraphed(opaque(serial, *_encoded(args), **_encoded(kwargs)))
+        return _ungraphed(opaque(*_encoded(args), **_encoded(kwargs)))
 
-    return call  # type: ignore[return-value]
+    return functools.wraps(fn)(_own_code(call, name))  # type: ignore[return-value]
+
+
+def _own_code(f: Callable, name: str) -> Callable:
+    """``f`` with a code object of its own.
+
+    Dynamo keeps its compiled graphs, their guards, the recompilation limit and the history
+    behind automatic dynamic shapes per code object, and it guards on a nonstrict_trace function
+    by its code only (which they all share). Were every transform's wrapper the same code, each
+    ``torch.compile(fs.value_and_grad(...))`` would add to one shared cache -- reaching the
+    recompilation limit, and so eager, after a few -- and could even reuse another transform's
+    graph (torch 2.13).
+    """
+    # numbered: automatic dynamic shapes also remember sizes by (file, line, name) of the code
+    name = f"{name}<{next(_NUMBERS)}>"
+    code = f.__code__.replace(co_name=name, co_qualname=f"funcshard.{name}")
+    return types.FunctionType(code, f.__globals__, name, f.__defaults__, f.__closure__)
 
 
 # [Note: results through a nonstrict_trace boundary]

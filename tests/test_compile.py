@@ -332,7 +332,8 @@ def test_inductor(world2):
 def no_silent_fallback():
     """What cannot be compiled raises instead of falling back to eager: a new input shape under
     error_on_recompile; a learning-rate schedule (its step count is a tensor) under fullgraph,
-    with funcshard's own message in a warning."""
+    with funcshard's own message in a warning. Two transforms compiled directly do not share
+    Dynamo's cache."""
     model, sharded, buffers = _setup()
     vg = fs.value_and_grad(
         lambda p, x, y: F.mse_loss(fs.functional_call(model, (fs.unshard(p), buffers), (x,)), y)
@@ -346,6 +347,14 @@ def no_silent_fallback():
             problems.append("no RecompileError for a new batch size")
         except torch._dynamo.exc.RecompileError:
             pass
+    # two transforms compiled directly: each its own graph (Dynamo caches by code object)
+    twice = fs.value_and_grad(
+        lambda p, x, y: 2 * F.mse_loss(fs.functional_call(model, (fs.unshard(p), buffers), (x,)), y)
+    )
+    x, y = _batch(0)
+    value = compiled(sharded, x, y)[0]
+    if not torch.equal(torch.compile(twice, backend="aot_eager")(sharded, x, y)[0], 2 * value):
+        problems.append("a second transform compiled reused the first one's graph")
     opt = fs.optim.sgd(fs.optim.linear_schedule(0.1, 0.0, 10))
     state = opt.init(sharded)
     step = torch.compile(lambda g, s, p: opt.update(g, s, p), backend="aot_eager", fullgraph=True)
