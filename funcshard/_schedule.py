@@ -46,6 +46,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.autograd.profiler import record_function
 from torch.distributed.tensor import DTensor
@@ -353,9 +354,12 @@ class _Run:
         if not state.pending:
             cursor = self.forward if self.in_forward else self.backward
             warnings.warn(
-                f"funcshard: group {group!r} used out of the planned {cursor.compute} order "
-                f"(planned: {cursor.current()!r}); gathering it on demand. Record the plan with "
-                "example_args like this call's, or pass order= to fs.plan.",
+                f"funcshard: rank {dist.get_rank()}: group {group!r} used out of the planned "
+                f"{cursor.compute} order (planned: {cursor.current()!r}); gathering it on demand. "
+                "Record the plan with example_args like this call's, or pass order= to fs.plan. "
+                "If other ranks take another path (data-dependent control flow), their "
+                "collectives no longer match: the run fails at the process group's timeout (see "
+                "docs/failures.md).",
                 stacklevel=4,
             )
         self._materialize(state)
