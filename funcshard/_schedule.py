@@ -80,7 +80,8 @@ def schedule(
         module: the module the plan was made for (its own parameters are not used; it may be
             on the meta device).
         plan: from :func:`~funcshard.plan`.
-        param_dtype, reduce_dtype, grad_reduce: as in :func:`~funcshard.unshard`.
+        param_dtype, reduce_dtype, grad_reduce: as in :func:`~funcshard.unshard`; a group's own
+            dtypes in the plan (:class:`~funcshard.Group`) take precedence.
 
     ``sharded`` is the flat ``{fqn: DTensor}`` dict from :func:`~funcshard.shard` (LocalShards
     inside ``torch.func``); entries for parameters outside the plan's groups (ignored ones) must
@@ -272,7 +273,12 @@ class _Run:
                 leaves,
                 [t for t, _ in pairs],
                 layouts,
-                _flat.Options(g.name, opts.param_dtype, opts.reduce_dtype, opts.mean),
+                _flat.Options(
+                    g.name,
+                    g.param_dtype or opts.param_dtype,
+                    g.reduce_dtype or opts.reduce_dtype,
+                    opts.mean,
+                ),
             )
             self.groups[g.name] = state
             for i, p in enumerate(g.params):
