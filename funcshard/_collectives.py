@@ -221,7 +221,7 @@ def start_all_gather(comm: Comm, pieces) -> Started:
     return Started(output, work)
 
 
-def refuse_jacfwd(comm: Comm) -> None:
+def refuse_jacfwd(label: str, world: int) -> None:
     """Raise if a collective's ``jvp`` runs under ``torch.func.jacfwd`` (or ``hessian``).
 
     [Note: jacfwd through a collective]
@@ -234,14 +234,14 @@ def refuse_jacfwd(comm: Comm) -> None:
     ``tests/test_reliability.py`` checks that jacfwd is refused, so that a torch upgrade that
     renames it fails there rather than in someone's Jacobian.
     """
-    if comm.world == 1:
+    if world == 1:
         return
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         if code.co_name == "push_jvp" and code.co_filename.endswith("eager_transforms.py"):
             raise ValueError(
-                f"torch.func.jacfwd (or hessian) through funcshard's collectives ({comm.label}) is "
+                f"torch.func.jacfwd (or hessian) through funcshard's collectives ({label}) is "
                 "not supported: every rank would push basis vectors of its own shard at once, "
                 "mixing the ranks' columns. Use torch.func.jacrev, or gather first (full = "
                 "fs.unshard(sharded) outside the transform), take jacfwd with respect to the full "
@@ -292,7 +292,7 @@ class AllGather(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, _, __, ___, *tangents):
-        refuse_jacfwd(ctx.comm)
+        refuse_jacfwd(ctx.comm.label, ctx.comm.world)
         tangents = [
             torch.zeros(s, dtype=ctx.dtype, device=ctx.device) if t is None else t
             for t, s in zip(tangents, ctx.shapes, strict=True)
@@ -325,7 +325,7 @@ class ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, t, _, __, ___):
-        refuse_jacfwd(ctx.comm)
+        refuse_jacfwd(ctx.comm.label, ctx.comm.world)
         return ReduceScatter.apply(t, ctx.comm.synchronous(), t.dtype)
 
     @staticmethod
@@ -376,7 +376,7 @@ class AllReduce(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, t, _):
-        refuse_jacfwd(ctx.comm)
+        refuse_jacfwd(ctx.comm.label, ctx.comm.world)
         return AllReduce.apply(t, ctx.comm.synchronous())
 
     @staticmethod

@@ -57,7 +57,7 @@ from ._consensus import agree, leaf
 from ._deferred import Deferred
 from ._extract import aliases, functional_call
 from ._plan import Plan, Step
-from ._spec import LocalShard, as_local, check_materialized
+from ._spec import LocalShard, as_locals, check_materialized
 from .transforms._unshard import reduce_mean
 
 
@@ -260,11 +260,12 @@ class _Run:
         self.tracking = async_allowed()
         self.groups: dict[str, _Group] = {}
         self.index: dict[str, tuple[_Group, int]] = {}
+        names = [p for g in plan.groups for p in g.params]
+        locals_, specs = as_locals(names, [sharded[p] for p in names], "schedule")
+        shards = dict(zip(names, zip(locals_, specs, strict=True), strict=True))
         for g in plan.groups:
             leaves = [sharded[p] for p in g.params]
-            pairs = [
-                as_local(p, leaf, "schedule") for p, leaf in zip(g.params, leaves, strict=True)
-            ]
+            pairs = [shards[p] for p in g.params]
             layouts = [
                 _flat.Layout.of(p, spec, t) for p, (t, spec) in zip(g.params, pairs, strict=True)
             ]

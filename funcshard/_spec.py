@@ -30,6 +30,7 @@ import torch.utils._pytree as torch_pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from . import _dtensor
 from ._tree import PyTree, map_with_path
 
 
@@ -209,30 +210,39 @@ def check_materialized(paths, locals_, fn: str) -> None:
         )
 
 
-def _unwrap_functorch(x: torch.Tensor) -> torch.Tensor:
-    while torch._C._functorch.is_functorch_wrapped_tensor(x):
-        x = torch._C._functorch.get_unwrapped(x)
-    return x
+def as_locals(paths, leaves, fn: str) -> tuple[list[torch.Tensor], list[ShardSpec]]:
+    """``(local tensors, specs)`` of sharded leaves: DTensors or :class:`LocalShard`s.
 
-
-def as_local(path: str, leaf, fn: str) -> tuple[torch.Tensor, ShardSpec]:
-    """``(local tensor, spec)`` of a sharded leaf: a DTensor or a :class:`LocalShard`.
+    A DTensor may be under ``torch.func`` wrappers (passed to a transform, or a tangent) or
+    closed over: the local shards of a tree's DTensors come through one
+    :class:`~funcshard._dtensor.ToLocal` call (see [Note: DTensor trees inside torch.func]).
 
     Raises:
-        TypeError: for a non-tensor leaf, a plain tensor, or a DTensor that lost its type inside a
-            ``torch.func`` transform -- each message names ``path`` and the fix.
+        TypeError: for a non-tensor leaf or a plain tensor -- each message names the path and
+            the fix.
         ValueError: a placement funcshard cannot store (``Partial``, strided), or a mesh that is
             not the whole process group in rank order (see :func:`check_mesh`).
     """
+    specs = [spec_of(path, leaf, fn) for path, leaf in zip(paths, leaves, strict=True)]
+    locals_ = [leaf.tensor if isinstance(leaf, LocalShard) else None for leaf in leaves]
+    dtensors = [i for i, leaf in enumerate(leaves) if not isinstance(leaf, LocalShard)]
+    shards = _dtensor.to_local([leaves[i] for i in dtensors], [specs[i] for i in dtensors])
+    for i, local in zip(dtensors, shards, strict=True):
+        locals_[i] = local
+    return locals_, specs
+
+
+def spec_of(path: str, leaf, fn: str) -> ShardSpec:
+    """The checked spec of a sharded leaf (errors: see :func:`as_locals`)."""
     if isinstance(leaf, LocalShard):
-        local, spec = leaf.tensor, leaf.spec
-    elif isinstance(leaf, DTensor):
-        local, spec = leaf.to_local(), ShardSpec.of(leaf)
+        spec = leaf.spec
+    elif isinstance(leaf, torch.Tensor) and isinstance(dt := _dtensor.unwrap(leaf), DTensor):
+        spec = ShardSpec.of(dt)
     else:
         _not_a_shard(path, leaf, fn)
     check_storage_placements(path, spec.placements, spec.mesh, len(spec.shape))
     check_mesh(path, spec.mesh, fn)
-    return local, spec
+    return spec
 
 
 def check_mesh(path: str, mesh: DeviceMesh, fn: str) -> None:
@@ -285,12 +295,6 @@ def _not_a_shard(path: str, leaf, fn: str):
             f"{fn}: {path!r} is a {type(leaf).__name__}, not a sharded tensor. Trees passed to "
             f"{fn} hold only DTensors from fs.shard (or LocalShards from fs.to_local); keep "
             "other values outside the tree, or use None for an absent entry."
-        )
-    if isinstance(_unwrap_functorch(leaf), DTensor):
-        raise TypeError(
-            f"{fn}: {path!r} is a DTensor that reached {fn} inside a torch.func transform, where "
-            "DTensor arguments lose their type. Convert the tree once before the transform and "
-            "once after: grads = fs.from_local(torch.func.grad(f)(fs.to_local(sharded), ...))."
         )
     raise TypeError(
         f"{fn}: {path!r} is a plain torch.Tensor of shape {list(leaf.shape)}, not a shard. "
