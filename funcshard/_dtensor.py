@@ -26,6 +26,7 @@ trees, so a torch upgrade that changes this fails there.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
@@ -54,6 +55,7 @@ def _as_dtensor(local: torch.Tensor, spec) -> DTensor:
         )
 
 
+@functools.lru_cache(maxsize=1024)
 def _stacked(spec, size: int):
     """``spec`` with a new leading dim of ``size`` (unsharded)."""
     shape = (size, *spec.shape)
