@@ -35,6 +35,7 @@ from ._spec import ShardSpec
 
 Leaf = tuple[str, ShardSpec, torch.dtype, bool]
 _AGREED: set[tuple] = set()
+_REMEMBERED = 1024  # structures remembered per process
 _SEQUENCE: dict[object, itertools.count] = {}
 
 
@@ -54,6 +55,8 @@ def agree(fn: str, leaves: Sequence[Leaf], options: tuple = ()) -> None:
         return
     entries = _describe(leaves, options)
     if _same_everywhere(_digest(entries)):
+        if len(_AGREED) >= _REMEMBERED:  # a run that keeps making new trees: start over
+            _AGREED.clear()
         _AGREED.add(key)
         return
     everyone = [pickle.loads(b) for b in _exchange("entries", pickle.dumps(entries))]

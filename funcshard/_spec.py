@@ -167,7 +167,9 @@ def from_local(tree: PyTree) -> PyTree:
     return map_with_path(convert, tree)
 
 
-def check_storage_placements(path: str, placements, mesh: DeviceMesh, ndim: int) -> None:
+def check_storage_placements(
+    path: str, placements, mesh: DeviceMesh, ndim: int, fn: str = "shard"
+) -> None:
     """Placements funcshard can store: ``Shard(d)`` with ``0 <= d < ndim`` or ``Replicate()``.
 
     Raises:
@@ -175,26 +177,27 @@ def check_storage_placements(path: str, placements, mesh: DeviceMesh, ndim: int)
     """
     if len(placements) != mesh.ndim:
         raise ValueError(
-            f"{path!r}: {len(placements)} placements {tuple(placements)} for a {mesh.ndim}-D mesh; "
-            "give one placement per mesh dim, e.g. (Replicate(), Shard(0)) for HSDP on a 2-D mesh."
+            f"{fn}: {path!r}: {len(placements)} placements {tuple(placements)} for a "
+            f"{mesh.ndim}-D mesh; give one placement per mesh dim, e.g. (Replicate(), Shard(0)) "
+            "for HSDP on a 2-D mesh."
         )
     for p in placements:
         if type(p) is Replicate:
             continue
         if type(p) is not Shard:
             raise ValueError(
-                f"{path!r}: placement {p} cannot store a parameter; funcshard stores parameters as "
-                "Shard(dim) or Replicate(). Reduce Partial tensors first (fs.reduce) and use "
-                "plain Shard instead of strided sharding."
+                f"{fn}: {path!r}: placement {p} cannot store a parameter; funcshard stores "
+                "parameters as Shard(dim) or Replicate(). Reduce Partial tensors first "
+                "(fs.reduce) and use plain Shard instead of strided sharding."
             )
         if ndim == 0:
             raise ValueError(
-                f"{path!r} is a 0-d tensor and cannot be split with {p}; use Replicate() for it "
-                "(the default for 0-d tensors)."
+                f"{fn}: {path!r} is a 0-d tensor and cannot be split with {p}; use Replicate() "
+                "for it (the default for 0-d tensors)."
             )
         if not 0 <= p.dim < ndim:
             raise ValueError(
-                f"{path!r}: {p} is out of range for a {ndim}-d tensor; use Shard(d) with "
+                f"{fn}: {path!r}: {p} is out of range for a {ndim}-d tensor; use Shard(d) with "
                 f"0 <= d < {ndim} (negative dims are not normalised in DTensor placements)."
             )
 
@@ -240,7 +243,7 @@ def spec_of(path: str, leaf, fn: str) -> ShardSpec:
         spec = ShardSpec.of(dt)
     else:
         _not_a_shard(path, leaf, fn)
-    check_storage_placements(path, spec.placements, spec.mesh, len(spec.shape))
+    check_storage_placements(path, spec.placements, spec.mesh, len(spec.shape), fn)
     check_mesh(path, spec.mesh, fn)
     return spec
 

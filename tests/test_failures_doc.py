@@ -65,7 +65,6 @@ AREAS = {
 INDIRECT = {
     "_consensus.py::agree": ("ValueError", ["ranks disagree"]),  # built by _message
     "testing/_pool.py::Pool._results": ("RankError", ["failed on rank", "did not finish"]),
-    "_grouping.py::Policy.__call__": ("NotImplementedError", ["Policy"]),  # abstract method
     "checkpoint/_comm.py::all_ok": ("RuntimeError", ["Saving wait"]),  # "rank r: <error>"
     "testing/_reference.py::assert_close": ("AssertionError", ["does not match the structure"]),
 }
