@@ -30,6 +30,7 @@ import functools
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ._collectives import refuse_jacfwd
 
@@ -44,15 +45,24 @@ def unwrap(x: torch.Tensor) -> torch.Tensor:
 
 
 def _local(x: DTensor) -> torch.Tensor:
-    with torch.no_grad():  # DTensor's own (old-style) autograd stays out
-        return x.to_local()
+    # the attribute, not to_local(): DTensor's own (old-style) autograd stays out, and a call
+    # per leaf per step stays cheap
+    return x._local_tensor
 
 
 def _as_dtensor(local: torch.Tensor, spec) -> DTensor:
-    with torch.no_grad():
-        return DTensor.from_local(
-            local, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride
-        )
+    """The DTensor ``spec`` describes, around ``local`` (no copy, no communication).
+
+    [Note: DTensors built from their spec]
+    ``DTensor.from_local`` costs about a millisecond per call on CPU (an old-style autograd
+    Function and its checks), paid per parameter per step when gradients are made into DTensors;
+    building the DTensor from its spec costs about 25 us. ``DTensorSpec`` / ``TensorMeta`` are
+    private: ``tests/test_func_direct.py`` compares the result with ``from_local``'s, so that a
+    torch upgrade that changes them fails there.
+    """
+    meta = TensorMeta(torch.Size(spec.shape), tuple(spec.stride), local.dtype)
+    dspec = DTensorSpec(spec.mesh, tuple(spec.placements), tensor_meta=meta)
+    return DTensor(local.detach(), dspec, requires_grad=False)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -70,12 +80,17 @@ def _stacked(spec, size: int):
 def to_local(leaves, specs) -> list[torch.Tensor]:
     """The local shards of DTensor ``leaves`` (maybe under functorch wrappers, or closed over),
     in one autograd call for the whole tree (see [Note: one call per tree])."""
-    return list(ToLocal.apply(tuple(specs), *leaves)) if leaves else []
+    return list(ToLocal.apply(_Specs(specs), *leaves)) if leaves else []
 
 
 def from_local(locals_, specs) -> list[DTensor]:
     """DTensors with ``specs`` from local shards, in one autograd call."""
-    return list(FromLocal.apply(tuple(specs), *locals_)) if locals_ else []
+    return list(FromLocal.apply(_Specs(specs), *locals_)) if locals_ else []
+
+
+class _Specs(tuple):
+    """The specs of a call's tensors: one opaque argument (a plain tuple would be flattened,
+    spec by spec, by every autograd.Function call under functorch)."""
 
 
 # [Note: one call per tree]
@@ -105,8 +120,8 @@ class ToLocal(torch.autograd.Function):
     def jvp(ctx, _, *tangents):
         refuse_jacfwd("a sharded parameter", ctx.specs[0].mesh.size())
         given = [i for i, t in enumerate(tangents) if t is not None]
-        out = ToLocal.apply(tuple(ctx.specs[i] for i in given), *(tangents[i] for i in given))
-        return _fill(out, given, ctx.like)
+        specs, ts = _Specs(ctx.specs[i] for i in given), [tangents[i] for i in given]
+        return _fill(_call(ToLocal, specs, ts), given, ctx.like)
 
     @staticmethod
     def vmap(info, in_dims, specs, *xs):
@@ -120,7 +135,7 @@ class ToLocal(torch.autograd.Function):
             moved.append(x)
             new_specs.append(spec)
             out_dims.append(bdim)
-        return ToLocal.apply(tuple(new_specs), *moved), tuple(out_dims)
+        return ToLocal.apply(_Specs(new_specs), *moved), tuple(out_dims)
 
 
 class FromLocal(torch.autograd.Function):
@@ -144,7 +159,7 @@ class FromLocal(torch.autograd.Function):
     def jvp(ctx, _, *tangents):
         given = [i for i, t in enumerate(tangents) if t is not None]
         full = _fill([tangents[i] for i in given], given, ctx.like)  # zeros: shards, not DTensors
-        return FromLocal.apply(ctx.specs, *full)
+        return _call(FromLocal, ctx.specs, full)
 
     @staticmethod
     def vmap(info, in_dims, specs, *locals_):
@@ -157,7 +172,19 @@ class FromLocal(torch.autograd.Function):
             moved.append(t)
             new_specs.append(spec)
             out_dims.append(None if b is None else 0)
-        return FromLocal.apply(tuple(new_specs), *moved), tuple(out_dims)
+        return FromLocal.apply(_Specs(new_specs), *moved), tuple(out_dims)
+
+
+def _call(function, specs, tensors) -> tuple:
+    """A rule's inner ``function.apply``, or its ``forward`` when the tensors need no autograd
+    (no transform below, no gradient): one Function call fewer (see [Note: one call per tree])."""
+    if (
+        tensors
+        and torch._C._functorch.peek_interpreter_stack() is None
+        and not any(t.requires_grad for t in tensors)
+    ):
+        return function.forward(specs, *tensors)
+    return function.apply(specs, *tensors)
 
 
 def _keep_frozen(ctx, inputs, outputs) -> None:

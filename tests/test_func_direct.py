@@ -222,3 +222,31 @@ def test_functorch_wraps_dtensors(world2):
     """The premise of the design: inside a transform the leaf is a functorch wrapper around the
     DTensor (if torch changes this, the ToLocal/FromLocal pair needs another look)."""
     assert world2.run(wrapped_leaf_is_read_under_the_wrappers) == [["DTensor"]] * 2
+
+
+def built_like_from_local():
+    """See [Note: DTensors built from their spec]: the DTensor funcshard builds from a spec is
+    the one DTensor.from_local builds (uneven shards, Shard(1), a 0-d Replicate)."""
+    from funcshard._dtensor import _as_dtensor
+    from funcshard._spec import ShardSpec
+
+    m = mesh(dist.get_world_size())
+    tree = fs.shard({"a": torch.randn(5, 3), "b": torch.randn(3, 5), "c": torch.tensor(2.0)}, m,
+                    lambda path, t: Shard(1) if path == "b" else None)  # fmt: skip
+    same = []
+    for d in tree.values():
+        spec = ShardSpec.of(d)
+        ours = _as_dtensor(d.to_local(), spec)
+        ref = DTensor.from_local(d.to_local(), m, spec.placements, shape=d.shape, stride=d.stride())
+        same.append(
+            ours.placements == ref.placements
+            and ours.shape == ref.shape
+            and ours.stride() == ref.stride()
+            and ours.dtype == ref.dtype
+            and torch.equal(ours.full_tensor(), ref.full_tensor())
+        )
+    return same
+
+
+def test_dtensors_built_from_spec_equal_from_local(world2):
+    assert world2.run(built_like_from_local) == [[True] * 3] * 2
