@@ -53,16 +53,16 @@ class Config:
     heads: int = 4
     context: int = 64
     dropout: float = 0.0
-    steps: int = 400  # training
+    steps: int = 800  # training
     batch: int = 32  # sequences per step over all ranks: each rank takes batch / world of them
     lr: float = 3e-3
-    warmup: int = 40
+    warmup: int = 80
     weight_decay: float = 0.1
     clip: float = 1.0
     bf16: bool = False  # bf16 parameters in forward and backward, fp32 gradient reduction
     seed: int = 0
     data_mb: float = 4.0  # how much of the standard library to read
-    eval_every: int = 100  # evaluation and output
+    eval_every: int = 200  # evaluation and output
     eval_batches: int = 8
     sample: int = 240  # characters generated at the end
     ckpt_dir: str = ""  # checkpoints
@@ -84,7 +84,7 @@ _PER_RUN = {"eval_every", "eval_batches", "sample", "ckpt_dir", "save_every", "r
 
 def parse(argv: list[str] | None = None) -> Config:
     """The command line as a `Config` (``--smoke`` first sets the `SMOKE` defaults)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     for f in dataclasses.fields(Config):
         flag = "--" + f.name.replace("_", "-")
         if f.type == "bool":
@@ -373,6 +373,7 @@ class Result(NamedTuple):
     step: int
     losses: list  # the training loss of each step this run took (mean over ranks)
     heldout: list  # (step, held-out loss) of each evaluation
+    vocab: int
     entropy: float  # of the text's bytes: the smoke test's bound
     sample: str | None  # rank 0's generated text
 
@@ -417,6 +418,7 @@ def main(argv: list[str] | None = None) -> Result:
 
 def train(cfg: Config) -> Result:
     """The run, in an initialised process group: every rank calls it."""
+    started = time.perf_counter()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     rank, world = mesh.get_rank(), mesh.size()
     say = tqdm.write if rank == 0 else lambda _: None
@@ -426,12 +428,7 @@ def train(cfg: Config) -> Result:
     apply = fs.schedule(model, plan, **dtypes)
     opt = optimizer(cfg)
     params, buffers, opt_state, step, position = start(cfg, model, mesh, opt, text)
-    n = sum(p.numel() for p in params.values())
-    say(
-        f"{n:,} parameters over {world} ranks, {len(plan.groups)} groups; "
-        f"{len(text.train):,} training bytes, {len(text.heldout):,} held out, vocab "
-        f"{len(text.vocab)}" + (f"; resumed at step {step}" if step else "")
-    )
+    say(describe(params, plan, text, world, step))
 
     losses, heldout, saving, seconds = [], [], None, 0.0
     if step == 0:
@@ -439,20 +436,20 @@ def train(cfg: Config) -> Result:
         say(
             f"step 0: held-out loss {heldout[-1][1]:.3f} (uniform: {math.log(len(text.vocab)):.3f})"
         )
-    bar = tqdm(total=cfg.steps, initial=step, disable=True if rank else None, unit="step")
-    end = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps
-    while step < end:
+    bar = tqdm(total=cfg.steps, initial=step, disable=True if rank else None, desc="train")
+    while step < (min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps):
         t0 = time.perf_counter()
         tokens = batch_at(text.train, position, cfg.batch, cfg.context, cfg.seed)
-        params, opt_state, loss = train_step(
-            apply, opt, params, buffers, opt_state, rows(tokens, rank, world)
-        )
+        mine = rows(tokens, rank, world)
+        params, opt_state, loss = train_step(apply, opt, params, buffers, opt_state, mine)
         step, position = step + 1, position + 1
         losses.append(mean_over_ranks(loss))
         seconds += time.perf_counter() - t0
+        speed = len(losses) * cfg.batch * cfg.context / seconds
+        bar.set_postfix_str(
+            f"loss {losses[-1]:.3f}, {speed:,.0f} tok/s, peak RSS {peak_mib():,.0f} MiB"
+        )
         bar.update()
-        speed = len(losses) * tokens[:, 1:].numel() / seconds
-        bar.set_postfix_str(f"loss {losses[-1]:.3f}, {speed:,.0f} tok/s, {peak_mib():,.0f} MiB")
         if step % cfg.eval_every == 0 or step == cfg.steps:
             heldout.append((step, evaluate(model, apply, params, buffers, text, cfg)))
             say(f"step {step}: held-out loss {heldout[-1][1]:.3f}")
@@ -463,32 +460,53 @@ def train(cfg: Config) -> Result:
     if saving is not None:
         say(f"saved {saving.wait()}")
     sample = generate(model, params, buffers, text, cfg) if step == cfg.steps else None
-    result = Result(params, step, losses, heldout, text.entropy, sample)
-    report(result, cfg, seconds, say)
+    result = Result(params, step, losses, heldout, len(text.vocab), text.entropy, sample)
+    say(summary(result, cfg, seconds, time.perf_counter() - started))
+    if cfg.smoke:
+        check(result, cfg)
     return result
 
 
-def report(result: Result, cfg: Config, seconds: float, say) -> None:
-    """The sample and the summary line (rank 0); with ``--smoke``, check the result (all ranks).
+def describe(params, plan, text: Text, world: int, step: int) -> str:
+    n = sum(p.numel() for p in params.values())
+    mine = sum(p.to_local().numel() for p in params.values())
+    resumed = f"; resumed at step {step}" if step else ""
+    return (
+        f"{n:,} parameters in {len(plan.groups)} groups, {mine:,} on each of {world} ranks "
+        f"(rank 0); {len(text.train):,} training bytes, {len(text.heldout):,} held out, "
+        f"vocab {len(text.vocab)}{resumed}"
+    )
 
-    Raises:
-        RuntimeError: ``--smoke`` and the held-out loss did not fall below the entropy of the
-            text's bytes.
-    """
-    if result.sample is not None:
-        say("-" * 72 + "\n" + result.sample + "\n" + "-" * 72)
+
+def summary(result: Result, cfg: Config, seconds: float, wall: float) -> str:
+    """The generated sample and one line of numbers."""
+    lines = ["-" * 72, result.sample, "-" * 72] if result.sample is not None else []
     if result.losses:
         tokens = len(result.losses) * cfg.batch * cfg.context
         last = sum(result.losses[-10:]) / len(result.losses[-10:])
-        first, final = result.heldout[0], result.heldout[-1]
-        say(
-            f"{len(result.losses)} steps in {seconds:.1f} s ({tokens / seconds:,.0f} tokens/s): "
-            f"train loss {result.losses[0]:.3f} -> {last:.3f} (mean of the last 10 steps), "
-            f"held-out {first[1]:.3f} at step {first[0]} -> {final[1]:.3f} at step {final[0]} "
-            f"(entropy of the bytes: {result.entropy:.3f}); "
-            f"peak RSS {peak_mib():,.0f} MiB on rank 0"
+        lines.append(
+            f"{len(result.losses)} steps in {seconds:.1f} s ({tokens / seconds:,.0f} tokens/s; "
+            f"{wall:.1f} s in all): train loss {result.losses[0]:.3f} -> {last:.3f} (mean of "
+            f"the last 10 steps)"
         )
-    if cfg.smoke and result.step == cfg.steps and not result.heldout[-1][1] < result.entropy:
+    if result.heldout:
+        (s0, first), (s1, last) = result.heldout[0], result.heldout[-1]
+        lines.append(
+            f"held-out loss {first:.3f} at step {s0} -> {last:.3f} at step {s1} (uniform: "
+            f"{math.log(result.vocab):.3f}; entropy of the bytes: {result.entropy:.3f})"
+        )
+    lines.append(f"peak RSS {peak_mib():,.0f} MiB on rank 0")
+    return "\n".join(lines)
+
+
+def check(result: Result, cfg: Config) -> None:
+    """``--smoke``: the held-out loss must end below the entropy of the text's bytes, i.e. below
+    what any model that ignores the context can reach.
+
+    Raises:
+        RuntimeError: it did not (on every rank: the losses are averaged over ranks).
+    """
+    if result.step == cfg.steps and not result.heldout[-1][1] < result.entropy:
         raise RuntimeError(
             f"smoke test failed: held-out loss {result.heldout[-1][1]:.3f} after {cfg.steps} "
             f"steps is not below the entropy of the bytes, {result.entropy:.3f}: the model "

@@ -76,12 +76,13 @@ def test_smoke_run_learns_under_torchrun():
     run = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = re.search(
-        r"held-out ([\d.]+) at step 0 -> ([\d.]+) .*entropy of the bytes: ([\d.]+)", run.stdout
+        r"held-out loss ([\d.]+) at step 0 -> ([\d.]+) at step 100 "
+        r"\(uniform: ([\d.]+); entropy of the bytes: ([\d.]+)\)",
+        run.stdout,
     )
     assert summary, run.stdout
-    first, last, entropy = map(float, summary.groups())
-    vocab = int(re.search(r"vocab (\d+)", run.stdout).group(1))
-    assert first > entropy and abs(first - math.log(vocab)) < 0.5  # starts near uniform
+    first, last, uniform, entropy = map(float, summary.groups())
+    assert entropy < first < uniform + 0.5  # starts near the uniform guess
     assert last < entropy  # ends below any context-free model
 
 
