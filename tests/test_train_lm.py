@@ -130,3 +130,12 @@ def test_resume_refuses_another_configuration(world2, tmp_path):
         world2.run(train_lm.main, [*TINY, *ckpt, "--resume", "--width", "32"])
     with pytest.raises(Exception, match="--batch 7 is not divisible by the 2 ranks"):
         world2.run(train_lm.main, [*TINY, "--batch", "7"])
+
+
+def test_bf16_parameters_follow_fp32(world2):
+    """--bf16: bf16 parameters in forward and backward, fp32 reduction and master weights; the
+    losses follow the fp32 run's to bf16 precision."""
+    fp32, bf16 = (world2.run(train_lm.main, [*TINY, *flag])[0] for flag in ([], ["--bf16"]))
+    assert all(p.dtype == torch.float32 for p in bf16.params.values())
+    torch.testing.assert_close(bf16.losses, fp32.losses, rtol=0, atol=0.01)
+    assert bf16.losses != fp32.losses  # the forward did run in bf16
