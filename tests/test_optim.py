@@ -436,7 +436,9 @@ def live_tensors(steps, donated):
 @pytest.mark.parametrize("donated", [True, False])
 def test_no_tensors_leak_over_40_steps(world2, donated):
     for counts_ in world2.run(live_tensors, 40, donated):
-        assert counts_ == [counts_[0]] * 3, counts_  # live tensors after 10, 25 and 40 steps
+        # live tensors after 10, 25 and 40 steps: no more later. (They count every tensor of the
+        # rank: objects earlier tests left in the session's ranks may be released meanwhile.)
+        assert max(counts_[1:]) <= counts_[0], counts_
 
 
 # --- errors on sharded trees ------------------------------------------------------------------
