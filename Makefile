@@ -1,5 +1,6 @@
 # Two entry points for a fresh machine; each creates the virtual environment it needs.
-#   make train   -- the main job: a real 2-rank sharded training run on CPU (gloo)
+#   make train   -- the main job: a character-level language model trained on 2 CPU ranks (gloo);
+#                   flags go in ARGS, e.g. make train ARGS="--bf16 --steps 800"
 #   make test    -- lint + the test suite (real gloo process groups, 2 and 4 ranks)
 PYTHON ?= python3
 VENV   := .venv
@@ -15,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 train: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node 2 examples/train.py
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node 2 examples/train_lm.py $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
