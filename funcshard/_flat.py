@@ -317,6 +317,17 @@ def issue(
     return Inflight(started, len(tensors), opts)
 
 
+def wait_transfers(inflight: Inflight) -> None:
+    """Wait for :func:`issue`'s transfers, copying nothing out (:func:`finish` does that).
+
+    Lets a caller allocate the results' memory only once the collectives' own buffers (gloo's
+    full-size scratch) are gone: see [Note: refill after the transfer] in ``_schedule``.
+    """
+    for b in inflight.buckets:
+        if isinstance(b.state, _Level) and b.state.started is not None:
+            b.state.started.work.wait()
+
+
 def finish(inflight: Inflight, into: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Wait for :func:`issue`'s gathers and return the full tensors, in the order given.
 
