@@ -84,26 +84,37 @@ def step_section(results: dict[str, Any]) -> str:
 
 
 def memory_section(results: dict[str, Any]) -> str:
-    r = results.get("memory-2ranks") or next(
-        (v for k, v in results.items() if k.startswith("memory-")), None
-    )
+    r = next((v for k, v in sorted(results.items()) if k.startswith("memory-")), None)
     if r is None:
         return ""
     res, out = r["result"], []
     for t in res["tables"]:
         labels = list(t["rows"])
-        base = t["rows"][labels[0]]
+        rows_ = t["rows"]
+        base = rows_[labels[0]]
         rows = [
-            [f"{c}"] + [f"{t['rows'][v]['at_peak_all'][c] / MiB:.1f}" for v in labels]
+            [c, *(f"{rows_[v]['at_peak_all'][c] / MiB:.1f}" for v in labels)]
             for c in res["categories"]
         ]
-        for key, title in (("peak_all", "all threads"), ("peak_own", "own thread")):
-            peaks = [t["rows"][v][key] for v in labels]
-            cells = [f"**{p / MiB:.1f}** ({p / base[key]:.2f}x)" for p in peaks]
-            rows.append([f"**peak, {title}**", *cells])
+        lines = (
+            ("peak, all threads", lambda x: x["peak_all"]),
+            ("peak, own thread", lambda x: x["peak_own"]),
+            ("above the step's start, all threads", lambda x: x["peak_all"] - x["resident"]),
+        )
+        for title, get in lines:
+            cells = [
+                f"**{get(rows_[v]) / MiB:.1f}** ({get(rows_[v]) / get(base):.2f}x)" for v in labels
+            ]
+            rows.append([f"**{title}**", *cells])
+        spread = [
+            f"{rows_[v]['peak_all_range'][0] / MiB:.0f}-{rows_[v]['peak_all_range'][1] / MiB:.0f}"
+            for v in labels
+        ]
+        rows.append([f"all-threads peak over {t['steps']} steps", *spread])
         out.append(
             f"**{t['workload']['description']}**, {t['param_dtype']} parameters "
-            f"({t['workload']['parameters'] / 1e6:.1f}M): MiB per rank at the all-threads peak"
+            f"({t['workload']['parameters'] / 1e6:.1f}M): MiB per rank at the all-threads peak "
+            f"of the step with the median peak of {t['steps']}"
         )
         out.append(_table(["category", *labels], rows))
     out.append(_measured(r) + "\n")
