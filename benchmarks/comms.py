@@ -105,7 +105,7 @@ def measure(ctx: harness.Context, workload, options: Options) -> dict[str, Any]:
         out[name] = {
             "collectives": comm.count,
             "mib": comm.sent / 2**20,
-            "x_bound": comm.sent / bound,
+            "x_bound": comm.sent / bound if bound else None,  # one rank: nothing to send
         }
         del trainer
         gc.collect()

@@ -8,6 +8,7 @@ stay equal up to rounding -- a check that both train the same model.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from typing import Any
 
@@ -60,15 +61,23 @@ def run(ctx: harness.Context) -> dict[str, Any]:
     rows = []
     for dtype, reshard in CONFIGS[::2] if ctx.quick else CONFIGS:
         options = Options(param_dtype=dtype, reshard_after_forward=reshard)
-        result = compare(ctx, workload, options)
-        rows.append(
-            {
-                "param_dtype": harness.dtype_name(dtype),
-                "reshard_after_forward": reshard,
-                "fsdp2_ms": result["fsdp2"]["ms"],
-                "funcshard_ms": result["funcshard"]["ms"],
-                "ratio": result["funcshard"]["ratio"],
-                "loss_gap": result["funcshard"]["loss_gap"],
-            }
-        )
+        variants = {name: (VARIANTS[name], options) for name in ("fsdp2", "funcshard")}
+        if reshard and not ctx.quick:  # gloo's memory plan choice (docs/schedule.md), timed
+            bp0 = dataclasses.replace(options, backward_prefetch=0)
+            variants["funcshard, backward_prefetch=0"] = (VARIANTS["funcshard"], bp0)
+        result = compare(ctx, workload, options, variants)
+        for label, r in result.items():
+            if label == "fsdp2":
+                continue
+            rows.append(
+                {
+                    "variant": label,
+                    "param_dtype": harness.dtype_name(dtype),
+                    "reshard_after_forward": reshard,
+                    "fsdp2_ms": result["fsdp2"]["ms"],
+                    "funcshard_ms": r["ms"],
+                    "ratio": r["ratio"],
+                    "loss_gap": r["loss_gap"],
+                }
+            )
     return {"workload": describe(workload), "rows": rows}

@@ -133,7 +133,7 @@ def linears(count: int, width: int, rows: int = 4, name: str = "") -> Workload:
 
 def overhead_models(quick: bool = False) -> list[Workload]:
     """Many tiny groups (64 x 64x64 linears) and ~100 parameters per group (64 x 10x10)."""
-    count = 16 if quick else 64
+    count = 8 if quick else 64
     return [
         linears(count, 64, name=f"{count} x linear 64x64"),
         linears(count, 10, name=f"{count} x linear 10x10"),
