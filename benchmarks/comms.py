@@ -115,7 +115,8 @@ def measure(ctx: harness.Context, workload, options: Options) -> dict[str, Any]:
 def run(ctx: harness.Context) -> dict[str, Any]:
     workload = transformer(ctx.quick).to(ctx.device)
     rows = []
-    for dtype, reshard in ((None, True), (None, False), (torch.bfloat16, True)):
+    configs = ((None, True), (None, False), (torch.bfloat16, True))
+    for dtype, reshard in configs[:1] if ctx.quick else configs:
         options = Options(param_dtype=dtype, reshard_after_forward=reshard)
         row = measure(ctx, workload, options)
         row.update(param_dtype=harness.dtype_name(dtype), reshard_after_forward=reshard)
