@@ -411,11 +411,15 @@ def summary_section(results: dict[str, Any]) -> str:
         for t in memory["result"]["tables"]:
             base, ours = t["rows"]["FSDP2"], t["rows"]["funcshard"]
             ratio = ours["peak_all"] / base["peak_all"]
+            measured = f"{ratio:.2f}x (own thread {ours['peak_own'] / base['peak_own']:.2f}x)"
+            for label, row in t["rows"].items():
+                if label.startswith("funcshard, "):
+                    measured += f"; {label[11:]}: {row['peak_all'] / base['peak_all']:.2f}x"
             rows.append(
                 [
                     f"peak memory, {t['workload']['name']} {t['param_dtype']}",
                     "<= 0.95x FSDP2",
-                    f"{ratio:.2f}x (own thread {ours['peak_own'] / base['peak_own']:.2f}x)",
+                    measured,
                     _mark(ratio <= 0.95),
                 ]
             )

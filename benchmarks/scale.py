@@ -112,7 +112,7 @@ def run(quick: bool) -> dict[str, Any]:
         timing = time_rows((2, 4), repeats=1, shape=shapes["tiny"])
     else:
         memory = memory_rows(LLAMA_SHAPES)
-        timing = time_rows((8, 16, 32, 64, 128, 256), repeats=7)
+        timing = time_rows((8, 16, 32, 64, 128, 256), repeats=15)
     return {"memory": memory, "timing": timing, "gathered_dtype": "bf16", "param_dtype": "fp32"}
 
 

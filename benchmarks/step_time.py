@@ -62,9 +62,11 @@ def run(ctx: harness.Context) -> dict[str, Any]:
     for dtype, reshard in CONFIGS[::2] if ctx.quick else CONFIGS:
         options = Options(param_dtype=dtype, reshard_after_forward=reshard)
         variants = {name: (VARIANTS[name], options) for name in ("fsdp2", "funcshard")}
-        if reshard and not ctx.quick:  # gloo's memory plan choice (docs/schedule.md), timed
+        if reshard and not ctx.quick:  # gloo's plan choices (docs/schedule.md), timed too
             bp0 = dataclasses.replace(options, backward_prefetch=0)
             variants["funcshard, backward_prefetch=0"] = (VARIANTS["funcshard"], bp0)
+            none = dataclasses.replace(bp0, prefetch=0)
+            variants["funcshard, no prefetch"] = (VARIANTS["funcshard"], none)
         result = compare(ctx, workload, options, variants)
         for label, r in result.items():
             if label == "fsdp2":

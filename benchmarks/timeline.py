@@ -42,11 +42,11 @@ _NCCL = (
 Intervals = list[tuple[float, float]]
 
 
-def merge(intervals: Intervals) -> Intervals:
-    """Sorted, overlapping intervals joined."""
+def merge(intervals: Intervals, gap: float = 0.0) -> Intervals:
+    """Sorted intervals, those overlapping or closer than ``gap`` joined."""
     out: Intervals = []
     for a, b in sorted(intervals):
-        if out and a <= out[-1][1]:
+        if out and a <= out[-1][1] + gap:
             out[-1] = (out[-1][0], max(out[-1][1], b))
         else:
             out.append((a, b))
@@ -94,6 +94,12 @@ def _cpu_lanes(prof) -> tuple[dict[str, Intervals], float]:
     return {k: merge(v) for k, v in lanes.items()}, (step.end_time_ns - t0) / 1e6
 
 
+def _compact(intervals: Intervals) -> Intervals:
+    """Merged, with gaps under 20 us closed and times in whole microseconds: the same picture
+    in a fraction of the JSON."""
+    return [(round(a, 3), round(b, 3)) for a, b in merge(intervals, gap=0.02)]
+
+
 def _cuda_lanes(prof) -> tuple[dict[str, Intervals], float]:
     """GPU kernels by lane (NCCL kernels by name), relative to the first kernel."""
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -120,7 +126,7 @@ def trace(trainer, batch, device: torch.device) -> dict[str, Any]:
     comm = merge(lanes["all-gather"] + lanes["reduce-scatter"])
     busy = sum(b - a for a, b in comm)
     return {
-        "lanes": lanes,
+        "lanes": {k: _compact(v) for k, v in lanes.items()},
         "duration_ms": duration,
         "comm_ms": busy,
         "comm_overlapped": overlap(comm, lanes["compute"]) / busy if busy else 0.0,
