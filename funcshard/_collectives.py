@@ -36,6 +36,8 @@ everything is synchronous: functorch would need batching and grad rules for the 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import math
 import sys
 
@@ -251,7 +253,42 @@ def refuse_jacfwd(label: str, world: int) -> None:
         frame = frame.f_back
 
 
-class AllGather(torch.autograd.Function):
+class _Function(torch.autograd.Function):
+    """``torch.autograd.Function`` whose ``apply`` skips torch's per-call ``inspect`` binding.
+
+    [Note: Function.apply without inspect]
+    ``Function.apply`` binds its arguments to ``forward``'s signature with ``inspect.signature``
+    on every call (for Functions with ``setup_context``), which costs more than the rest of the
+    call: with a few of these Functions per group per step it was a quarter of the scheduler's
+    CPU time on a model of 64 small groups (``benchmarks/overhead.py``). Our Functions take
+    positional arguments only, so binding only appends ``forward``'s defaults: that is done here
+    from a signature read once per class. Under ``torch.func`` transforms torch's own ``apply``
+    runs unchanged (it dispatches to functorch), and ``torch.compile`` traces ``forward`` and
+    ``backward`` without calling ``apply``.
+    """
+
+    @classmethod
+    def apply(cls, *args):
+        if torch._C._are_functorch_transforms_active():
+            return super().apply(*args)
+        count, defaults = _signature(cls.forward)
+        if len(args) < count:
+            args = (*args, *defaults[len(args) - count :])
+        args = torch._functorch.utils.unwrap_dead_wrappers(args)
+        return super(torch.autograd.Function, cls).apply(*args)
+
+
+@functools.cache
+def _signature(forward) -> tuple[int, tuple]:
+    """(the number of positional parameters of ``forward``, their defaults); ``(0, ())`` if it
+    takes ``*args`` (nothing to fill)."""
+    params = list(inspect.signature(forward).parameters.values())
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return 0, ()
+    return len(params), tuple(p.default for p in params)
+
+
+class AllGather(_Function):
     """All-gather pieces: the output is ``[W * S]`` (``S``: the pieces' total numel), each rank's
     pieces flattened and concatenated, ranks in order. Dims before ``comm.dim`` are batch dims.
 
@@ -306,7 +343,7 @@ class AllGather(torch.autograd.Function):
         return AllGather.apply(comm.batched(), replicas, None, *moved), 0
 
 
-class ReduceScatter(torch.autograd.Function):
+class ReduceScatter(_Function):
     """Sum (``comm.mean``: average) over ranks, keep this rank's chunk of ``comm.dim``, return it
     in ``out_dtype``; backward: :class:`AllGather`. ``donated``: ``x`` may be scaled in place."""
 
@@ -335,7 +372,7 @@ class ReduceScatter(torch.autograd.Function):
         return ReduceScatter.apply(x.movedim(in_dims[0], 0), comm.batched(), out_dtype), 0
 
 
-class Broadcast(torch.autograd.Function):
+class Broadcast(_Function):
     """Identity: the same value used on every rank of ``comm``; backward: :class:`AllReduce`."""
 
     @staticmethod
@@ -359,7 +396,7 @@ class Broadcast(torch.autograd.Function):
         return Broadcast.apply(x, comm.synchronous()), in_dims[0]
 
 
-class AllReduce(torch.autograd.Function):
+class AllReduce(_Function):
     """Sum (``comm.mean``: average) over the ranks of ``comm``; backward: :class:`Broadcast`."""
 
     @staticmethod
@@ -384,7 +421,7 @@ class AllReduce(torch.autograd.Function):
         return AllReduce.apply(x, comm.synchronous()), in_dims[0]
 
 
-class Notify(torch.autograd.Function):
+class Notify(_Function):
     """Identity on tensors; its backward hands their gradients to ``callback`` and returns what
     the callback returns."""
 

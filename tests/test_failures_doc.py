@@ -51,6 +51,7 @@ AREAS = {
     "_extract.py": MODULES,
     "_grouping.py": SCHEDULE,
     "_plan.py": SCHEDULE,
+    "_bucketing.py": SCHEDULE,
     "_record.py": SCHEDULE,
     "_schedule.py": SCHEDULE,
     "_collectives.py": TORCH_FUNC,
