@@ -1,12 +1,14 @@
 # Two entry points for a fresh machine; each creates the virtual environment it needs.
-#   make train   -- the main job: a real 2-rank sharded training run on CPU (gloo)
+#   make train   -- the main job: a character-level language model trained on 2 CPU ranks (gloo);
+#                   flags go in ARGS, e.g. make train ARGS="--bf16 --steps 800"
 #   make test    -- lint + the test suite (real gloo process groups, 2 and 4 ranks)
+#   make bench   -- the benchmark suite vs FSDP2 (BENCHMARKS.md); make bench-quick: < 1 min
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.funcshard-installed
 
-.PHONY: train test lint bench
+.PHONY: train test lint bench bench-quick
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 train: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node 2 examples/train.py
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node 2 examples/train_lm.py $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -23,5 +25,14 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest
 
-bench: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node 2 benchmarks/step.py
+BENCH_STAMP := $(VENV)/.funcshard-bench-installed
+
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(BIN)/python -m benchmarks.run $(ARGS)
+
+bench-quick: $(BENCH_STAMP)
+	$(BIN)/python -m benchmarks.run --quick $(ARGS)

@@ -30,7 +30,8 @@ from torch.distributed.device_mesh import init_device_mesh
 import funcshard as fs
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-from train import LM, batch  # the main job's model and data
+from _data import batch  # synthetic tokens
+from train_lm import LM  # the main job's model
 
 
 def main() -> None:

@@ -36,7 +36,8 @@ import funcshard as fs
 from funcshard._profiling import peak_bytes
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-from train import LM, Block, batch  # the main job's model and data
+from _data import batch  # synthetic tokens
+from train_lm import LM, Block  # the main job's model
 
 
 def lm_loss(logits, tokens):

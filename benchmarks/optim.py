@@ -34,7 +34,8 @@ import funcshard as fs
 from funcshard._profiling import peak_bytes
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-from train import LM, batch  # the main job's model and data
+from _data import batch  # synthetic tokens
+from train_lm import LM  # the main job's model
 
 LR, WD, CLIP = 1e-3, 0.1, 1.0
 

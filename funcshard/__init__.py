@@ -2,6 +2,7 @@
 
 from . import checkpoint, optim, policy, testing
 from ._autodiff import grad, per_sample_grad, value_and_grad
+from ._bucketing import merge_groups
 from ._extract import extract, functional_call
 from ._grouping import group
 from ._materialize import materialize
@@ -23,6 +24,7 @@ __all__ = [
     "grad",
     "group",
     "materialize",
+    "merge_groups",
     "optim",
     "per_sample_grad",
     "plan",

@@ -46,6 +46,8 @@ prefetch) and lets its ``wait`` stand where the gathered tensors are first used.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import math
 import sys
 
@@ -245,7 +247,7 @@ def start_all_gather(comm: Comm, pieces) -> Started:
     return Started(output, work)
 
 
-def refuse_jacfwd(comm: Comm) -> None:
+def refuse_jacfwd(label: str, world: int) -> None:
     """Raise if a collective's ``jvp`` runs under ``torch.func.jacfwd`` (or ``hessian``).
 
     [Note: jacfwd through a collective]
@@ -258,14 +260,14 @@ def refuse_jacfwd(comm: Comm) -> None:
     ``tests/test_reliability.py`` checks that jacfwd is refused, so that a torch upgrade that
     renames it fails there rather than in someone's Jacobian.
     """
-    if comm.world == 1:
+    if world == 1:
         return
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         if code.co_name == "push_jvp" and code.co_filename.endswith("eager_transforms.py"):
             raise ValueError(
-                f"torch.func.jacfwd (or hessian) through funcshard's collectives ({comm.label}) is "
+                f"torch.func.jacfwd (or hessian) through funcshard's collectives ({label}) is "
                 "not supported: every rank would push basis vectors of its own shard at once, "
                 "mixing the ranks' columns. Use torch.func.jacrev, or gather first (full = "
                 "fs.unshard(sharded) outside the transform), take jacfwd with respect to the full "
@@ -275,7 +277,42 @@ def refuse_jacfwd(comm: Comm) -> None:
         frame = frame.f_back
 
 
-class AllGather(torch.autograd.Function):
+class _Function(torch.autograd.Function):
+    """``torch.autograd.Function`` whose ``apply`` skips torch's per-call ``inspect`` binding.
+
+    [Note: Function.apply without inspect]
+    ``Function.apply`` binds its arguments to ``forward``'s signature with ``inspect.signature``
+    on every call (for Functions with ``setup_context``), which costs more than the rest of the
+    call: with a few of these Functions per group per step it was a quarter of the scheduler's
+    CPU time on a model of 64 small groups (``benchmarks/overhead.py``). Our Functions take
+    positional arguments only, so binding only appends ``forward``'s defaults: that is done here
+    from a signature read once per class. Under ``torch.func`` transforms torch's own ``apply``
+    runs unchanged (it dispatches to functorch), and ``torch.compile`` traces ``forward`` and
+    ``backward`` without calling ``apply``.
+    """
+
+    @classmethod
+    def apply(cls, *args):
+        if torch._C._are_functorch_transforms_active():
+            return super().apply(*args)
+        count, defaults = _signature(cls.forward)
+        if len(args) < count:
+            args = (*args, *defaults[len(args) - count :])
+        args = torch._functorch.utils.unwrap_dead_wrappers(args)
+        return super(torch.autograd.Function, cls).apply(*args)
+
+
+@functools.cache
+def _signature(forward) -> tuple[int, tuple]:
+    """(the number of positional parameters of ``forward``, their defaults); ``(0, ())`` if it
+    takes ``*args`` (nothing to fill)."""
+    params = list(inspect.signature(forward).parameters.values())
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return 0, ()
+    return len(params), tuple(p.default for p in params)
+
+
+class AllGather(_Function):
     """All-gather pieces: the output is ``[W * S]`` (``S``: the pieces' total numel), each rank's
     pieces flattened and concatenated, ranks in order. Dims before ``comm.dim`` are batch dims.
 
@@ -316,7 +353,7 @@ class AllGather(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, _, __, ___, *tangents):
-        refuse_jacfwd(ctx.comm)
+        refuse_jacfwd(ctx.comm.label, ctx.comm.world)
         tangents = [
             torch.zeros(s, dtype=ctx.dtype, device=ctx.device) if t is None else t
             for t, s in zip(tangents, ctx.shapes, strict=True)
@@ -330,7 +367,7 @@ class AllGather(torch.autograd.Function):
         return AllGather.apply(comm.batched(), replicas, None, *moved), 0
 
 
-class ReduceScatter(torch.autograd.Function):
+class ReduceScatter(_Function):
     """Sum (``comm.mean``: average) over ranks, keep this rank's chunk of ``comm.dim``, return it
     in ``out_dtype``; backward: :class:`AllGather`. ``donated``: ``x`` may be scaled in place."""
 
@@ -349,7 +386,7 @@ class ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, t, _, __, ___):
-        refuse_jacfwd(ctx.comm)
+        refuse_jacfwd(ctx.comm.label, ctx.comm.world)
         return ReduceScatter.apply(t, ctx.comm.synchronous(), t.dtype)
 
     @staticmethod
@@ -359,7 +396,7 @@ class ReduceScatter(torch.autograd.Function):
         return ReduceScatter.apply(x.movedim(in_dims[0], 0), comm.batched(), out_dtype), 0
 
 
-class Broadcast(torch.autograd.Function):
+class Broadcast(_Function):
     """Identity: the same value used on every rank of ``comm``; backward: :class:`AllReduce`."""
 
     @staticmethod
@@ -383,7 +420,7 @@ class Broadcast(torch.autograd.Function):
         return Broadcast.apply(x, comm.synchronous()), in_dims[0]
 
 
-class AllReduce(torch.autograd.Function):
+class AllReduce(_Function):
     """Sum (``comm.mean``: average) over the ranks of ``comm``; backward: :class:`Broadcast`."""
 
     @staticmethod
@@ -400,7 +437,7 @@ class AllReduce(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, t, _):
-        refuse_jacfwd(ctx.comm)
+        refuse_jacfwd(ctx.comm.label, ctx.comm.world)
         return AllReduce.apply(t, ctx.comm.synchronous())
 
     @staticmethod
@@ -408,7 +445,7 @@ class AllReduce(torch.autograd.Function):
         return AllReduce.apply(x, comm.synchronous()), in_dims[0]
 
 
-class Notify(torch.autograd.Function):
+class Notify(_Function):
     """Identity on tensors; its backward hands their gradients to ``callback`` and returns what
     the callback returns."""
 

@@ -36,6 +36,7 @@ from ._spec import ShardSpec
 
 Leaf = tuple[str, ShardSpec, torch.dtype, bool]
 _AGREED: set[tuple] = set()
+_REMEMBERED = 1024  # structures remembered per process
 _SEQUENCE: dict[object, itertools.count] = {}
 
 
@@ -56,6 +57,8 @@ def agree(fn: str, leaves: Sequence[Leaf], options: tuple = ()) -> None:
     with untraced():  # under torch.compile: checked at trace time, never part of the graph
         entries = _describe(leaves, options)
     if _same_everywhere(_digest(entries)):
+        if len(_AGREED) >= _REMEMBERED:  # a run that keeps making new trees: start over
+            _AGREED.clear()
         _AGREED.add(key)
         return
     everyone = [pickle.loads(b) for b in _exchange("entries", pickle.dumps(entries))]

@@ -217,7 +217,8 @@ def _start_level(xs, layouts, mesh_dim: int, comm: C.Comm, replicas=()) -> _Leve
 
 def _finish_level(level: _Level, into: Sequence[torch.Tensor] | None = None):
     """Wait, record the autograd node and copy out; with ``into``, copy each result into those
-    tensors instead (refilling freed storage: one parameter-sized temporary at a time)."""
+    tensors instead (refilling freed storage), straight from the buffer when no padding is cut
+    off, else through one parameter-sized temporary at a time."""
     gathered = level.started.wait() if level.started is not None else None
     buffer = C.AllGather.apply(level.comm, level.replicas, gathered, *level.pieces)
     rows = buffer.view(level.comm.world, -1)
@@ -230,6 +231,9 @@ def _finish_level(level: _Level, into: Sequence[torch.Tensor] | None = None):
         level.sizes,
         strict=True,
     ):
+        if into is not None and n == level.comm.world * shape[d]:
+            out.append(_refill_chunks(into[len(out)], r, shape, d))
+            continue
         full = _from_rank_major(r, shape, d)
         full = full if full.shape[d] == n else full.narrow(d, 0, n)
         out.append(full if into is None else _refill(into[len(out)], full))
@@ -242,6 +246,16 @@ def _refill(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """Copy ``value`` into ``target`` (a tensor autograd saved) without bumping its version."""
     with torch.autograd._unsafe_preserve_version_counter(target):
         target.detach().copy_(value)
+    return target
+
+
+def _refill_chunks(target: torch.Tensor, rows: torch.Tensor, chunk_shape, dim: int):
+    """:func:`_refill` with ``_from_rank_major(rows, chunk_shape, dim)``, copied chunk by chunk
+    into ``target``'s own memory: one copy, no full-size temporary."""
+    w = rows.shape[0]
+    chunks = rows.view(w, *chunk_shape).movedim(0, dim)
+    with torch.autograd._unsafe_preserve_version_counter(target):
+        target.detach().unflatten(dim, (w, chunk_shape[dim])).copy_(chunks)
     return target
 
 
@@ -319,6 +333,17 @@ def issue(
             state = _split(flat, [tuple(x.shape) for x in xs], none, none)
         started.append(_Started(idx, lays, state, out_dtypes[idx[0]]))
     return Inflight(started, len(tensors), opts)
+
+
+def wait_transfers(inflight: Inflight) -> None:
+    """Wait for :func:`issue`'s transfers, copying nothing out (:func:`finish` does that).
+
+    Lets a caller allocate the results' memory only once the collectives' own buffers (gloo's
+    full-size scratch) are gone: see [Note: refill after the transfer] in ``_schedule``.
+    """
+    for b in inflight.buckets:
+        if isinstance(b.state, _Level) and b.state.started is not None:
+            b.state.started.work.wait()
 
 
 def finish(inflight: Inflight, into: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:

@@ -24,7 +24,10 @@ class Policy:
     """
 
     def __call__(self, name: str, module: nn.Module, unassigned_numel: int) -> bool:
-        raise NotImplementedError
+        raise NotImplementedError(
+            f"{type(self).__name__} subclasses Policy without __call__(name, module, "
+            "unassigned_numel); implement it, or use fs.policy.by_predicate(fn)."
+        )
 
     def descend(self, module: nn.Module, numel: int) -> bool:
         """Whether to consider ``module`` (``numel`` parameters) and look inside it at all.

@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
-from ._grouping import Policy, group
+from ._grouping import Policy, any_of, by_type, group
 
 OPS = ("all_gather", "wait", "forward", "free", "backward", "reduce_scatter")
 
@@ -45,11 +48,17 @@ class Step:
 
 @dataclasses.dataclass(frozen=True)
 class Group:
-    """A parameter group: its name (the module fqn, ``""`` for the root) and parameters."""
+    """A parameter group: its name (the module fqn, ``""`` for the root) and parameters.
+
+    ``param_dtype`` / ``reduce_dtype``: this group's mixed precision (as in
+    :func:`~funcshard.unshard`); ``None`` takes the value given to :func:`~funcshard.schedule`.
+    """
 
     name: str
     params: tuple[str, ...]
     reshard_after_forward: bool = True
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +113,7 @@ class Plan:
     def to_json(self) -> str:
         return json.dumps(
             {
-                "groups": [dataclasses.asdict(g) for g in self.groups],
+                "groups": [_group_json(g) for g in self.groups],
                 "order": list(self.order),
                 "backward_order": list(self.backward_order),
                 "prefetch": self.prefetch,
@@ -125,10 +134,7 @@ class Plan:
         """
         d = json.loads(text)
         plan = Plan(
-            groups=tuple(
-                Group(g["name"], tuple(g["params"]), g["reshard_after_forward"])
-                for g in d["groups"]
-            ),
+            groups=tuple(_group_from_json(g) for g in d["groups"]),
             order=tuple(d["order"]),
             backward_order=tuple(d["backward_order"]),
             prefetch=d["prefetch"],
@@ -150,8 +156,10 @@ class Plan:
         ]
         width = max((len(g.name or "<root>") for g in self.groups), default=6)
         for g in self.groups:
-            keep = "" if g.reshard_after_forward else "  (kept unsharded after forward)"
-            lines.append(f"  {g.name or '<root>':<{width}}  {len(g.params)} params{keep}")
+            notes = [] if g.reshard_after_forward else ["kept unsharded after forward"]
+            notes += [f"{k} {str(v).removeprefix('torch.')}" for k, v in _dtypes(g) if v]
+            extra = f"  ({', '.join(notes)})" if notes else ""
+            lines.append(f"  {g.name or '<root>':<{width}}  {len(g.params)} params{extra}")
         lines.append("order: " + " -> ".join(n or "<root>" for n in self.order))
         for title, steps in (("forward", self.forward), ("backward", self.backward)):
             lines.append(f"{title}:")
@@ -171,6 +179,8 @@ def plan(
     example_args: Any = None,
     example_kwargs: dict[str, Any] | None = None,
     ignored: Iterable[Any] = (),
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> Plan:
     """The plan for ``module``: groups from :func:`~funcshard.group`, and their order.
 
@@ -189,6 +199,9 @@ def plan(
         example_args / example_kwargs: inputs for a dry run on the meta device that records the
             order in which groups are used; no compute, no communication.
         ignored: parameters/modules left out of every group (see :func:`~funcshard.group`).
+        param_dtype / reduce_dtype: every group's mixed precision (see :class:`Group`), except
+            that with a low-precision ``param_dtype`` each BatchNorm module becomes a group of its
+            own in float32, with a warning (see [Note: BatchNorm stays in full precision]).
 
     Groups without parameters are dropped.
 
@@ -196,11 +209,20 @@ def plan(
         ValueError: ``order`` names an unknown group; negative prefetch.
         RuntimeError: the dry run failed on meta tensors (pass ``order`` instead).
     """
-    groups = [
-        Group(name, tuple(params), reshard_after_forward and name != "")
-        for name, params in group(module, policy, ignored).items()
-        if params
-    ]
+    policy, full_precision = _batchnorm_rule(module, policy, param_dtype)
+    groups = []
+    for name, params in group(module, policy, ignored).items():
+        if params:
+            dtypes = (torch.float32,) * 2 if name in full_precision else (param_dtype, reduce_dtype)
+            groups.append(Group(name, tuple(params), reshard_after_forward and name != "", *dtypes))
+    if full_precision:
+        names = [n for n in full_precision if any(g.name == n for g in groups)]
+        warnings.warn(
+            f"plan: BatchNorm modules {names} get groups of their own in float32 "
+            f"(param_dtype={param_dtype} is not supported by BatchNorm's kernels, which take "
+            "low-precision inputs with float32 parameters). Edit plan.groups to change it.",
+            stacklevel=2,
+        )
     if order is None:
         if example_args is not None or example_kwargs is not None:
             from ._record import record_order
@@ -209,6 +231,46 @@ def plan(
         else:
             order = _depth_first_order(module, [g.name for g in groups])
     return Plan(tuple(groups), tuple(order), backward_order, prefetch, backward_prefetch)
+
+
+def _batchnorm_rule(module, policy, param_dtype) -> tuple[Policy | None, list[str]]:
+    """The policy with each BatchNorm module a group, and those modules' names, when
+    ``param_dtype`` is a low precision; else ``(policy, [])``.
+
+    [Note: BatchNorm stays in full precision]
+    FSDP1 (seed ``000``) wraps each BatchNorm module in its own unit in full precision, because
+    BatchNorm's kernels reject low-precision parameters; they do accept low-precision *inputs*
+    with float32 parameters (the output keeps the input's dtype), so no cast is needed around
+    them. The rule is written into the plan (per-group dtypes), where it can be read and edited.
+    """
+    if param_dtype is None or param_dtype.itemsize >= 4:
+        return policy, []
+    names = [n for n, m in module.named_modules() if isinstance(m, _BatchNorm)]
+    if not names:
+        return policy, []
+    rule = by_type(_BatchNorm)
+    return (rule if policy is None else any_of(policy, rule)), names
+
+
+def _dtypes(g: Group) -> tuple[tuple[str, torch.dtype | None], ...]:
+    return (("param_dtype", g.param_dtype), ("reduce_dtype", g.reduce_dtype))
+
+
+def _group_json(g: Group) -> dict[str, Any]:
+    d = dataclasses.asdict(g)
+    d.update({k: None if v is None else str(v).removeprefix("torch.") for k, v in _dtypes(g)})
+    return d
+
+
+def _group_from_json(d: dict[str, Any]) -> Group:
+    dtype = lambda name: None if name is None else getattr(torch, name)
+    return Group(
+        d["name"],
+        tuple(d["params"]),
+        d["reshard_after_forward"],
+        dtype(d.get("param_dtype")),
+        dtype(d.get("reduce_dtype")),
+    )
 
 
 def _depth_first_order(module: nn.Module, names: Sequence[str]) -> list[str]:

@@ -30,6 +30,7 @@ import torch.utils._pytree as torch_pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from . import _dtensor
 from ._compile import traced, untraced
 from ._tree import PyTree, map_with_path
 
@@ -183,7 +184,9 @@ def from_local(tree: PyTree) -> PyTree:
     return map_with_path(convert, tree)
 
 
-def check_storage_placements(path: str, placements, mesh: DeviceMesh, ndim: int) -> None:
+def check_storage_placements(
+    path: str, placements, mesh: DeviceMesh, ndim: int, fn: str = "shard"
+) -> None:
     """Placements funcshard can store: ``Shard(d)`` with ``0 <= d < ndim`` or ``Replicate()``.
 
     Raises:
@@ -191,26 +194,27 @@ def check_storage_placements(path: str, placements, mesh: DeviceMesh, ndim: int)
     """
     if len(placements) != mesh.ndim:
         raise ValueError(
-            f"{path!r}: {len(placements)} placements {tuple(placements)} for a {mesh.ndim}-D mesh; "
-            "give one placement per mesh dim, e.g. (Replicate(), Shard(0)) for HSDP on a 2-D mesh."
+            f"{fn}: {path!r}: {len(placements)} placements {tuple(placements)} for a "
+            f"{mesh.ndim}-D mesh; give one placement per mesh dim, e.g. (Replicate(), Shard(0)) "
+            "for HSDP on a 2-D mesh."
         )
     for p in placements:
         if type(p) is Replicate:
             continue
         if type(p) is not Shard:
             raise ValueError(
-                f"{path!r}: placement {p} cannot store a parameter; funcshard stores parameters as "
-                "Shard(dim) or Replicate(). Reduce Partial tensors first (fs.reduce) and use "
-                "plain Shard instead of strided sharding."
+                f"{fn}: {path!r}: placement {p} cannot store a parameter; funcshard stores "
+                "parameters as Shard(dim) or Replicate(). Reduce Partial tensors first "
+                "(fs.reduce) and use plain Shard instead of strided sharding."
             )
         if ndim == 0:
             raise ValueError(
-                f"{path!r} is a 0-d tensor and cannot be split with {p}; use Replicate() for it "
-                "(the default for 0-d tensors)."
+                f"{fn}: {path!r} is a 0-d tensor and cannot be split with {p}; use Replicate() "
+                "for it (the default for 0-d tensors)."
             )
         if not 0 <= p.dim < ndim:
             raise ValueError(
-                f"{path!r}: {p} is out of range for a {ndim}-d tensor; use Shard(d) with "
+                f"{fn}: {path!r}: {p} is out of range for a {ndim}-d tensor; use Shard(d) with "
                 f"0 <= d < {ndim} (negative dims are not normalised in DTensor placements)."
             )
 
@@ -226,30 +230,39 @@ def check_materialized(paths, locals_, fn: str) -> None:
         )
 
 
-def _unwrap_functorch(x: torch.Tensor) -> torch.Tensor:
-    while torch._C._functorch.is_functorch_wrapped_tensor(x):
-        x = torch._C._functorch.get_unwrapped(x)
-    return x
+def as_locals(paths, leaves, fn: str) -> tuple[list[torch.Tensor], list[ShardSpec]]:
+    """``(local tensors, specs)`` of sharded leaves: DTensors or :class:`LocalShard`s.
 
-
-def as_local(path: str, leaf, fn: str) -> tuple[torch.Tensor, ShardSpec]:
-    """``(local tensor, spec)`` of a sharded leaf: a DTensor or a :class:`LocalShard`.
+    A DTensor may be under ``torch.func`` wrappers (passed to a transform, or a tangent) or
+    closed over: the local shards of a tree's DTensors come through one
+    :class:`~funcshard._dtensor.ToLocal` call (see [Note: DTensor trees inside torch.func]).
 
     Raises:
-        TypeError: for a non-tensor leaf, a plain tensor, or a DTensor that lost its type inside a
-            ``torch.func`` transform -- each message names ``path`` and the fix.
+        TypeError: for a non-tensor leaf or a plain tensor -- each message names the path and
+            the fix.
         ValueError: a placement funcshard cannot store (``Partial``, strided), or a mesh that is
             not the whole process group in rank order (see :func:`check_mesh`).
     """
+    specs = [spec_of(path, leaf, fn) for path, leaf in zip(paths, leaves, strict=True)]
+    locals_ = [leaf.tensor if isinstance(leaf, LocalShard) else None for leaf in leaves]
+    dtensors = [i for i, leaf in enumerate(leaves) if not isinstance(leaf, LocalShard)]
+    shards = _dtensor.to_local([leaves[i] for i in dtensors], [specs[i] for i in dtensors])
+    for i, local in zip(dtensors, shards, strict=True):
+        locals_[i] = local
+    return locals_, specs
+
+
+def spec_of(path: str, leaf, fn: str) -> ShardSpec:
+    """The checked spec of a sharded leaf (errors: see :func:`as_locals`)."""
     if isinstance(leaf, LocalShard):
-        local, spec = leaf.tensor, leaf.spec
-    elif isinstance(leaf, DTensor):
-        local, spec = leaf.to_local(), ShardSpec.of(leaf)
+        spec = leaf.spec
+    elif isinstance(leaf, torch.Tensor) and isinstance(dt := _dtensor.unwrap(leaf), DTensor):
+        spec = ShardSpec.of(dt)
     else:
         _not_a_shard(path, leaf, fn)
-    check_storage_placements(path, spec.placements, spec.mesh, len(spec.shape))
+    check_storage_placements(path, spec.placements, spec.mesh, len(spec.shape), fn)
     check_mesh(path, spec.mesh, fn)
-    return local, spec
+    return spec
 
 
 def check_mesh(path: str, mesh: DeviceMesh, fn: str) -> None:
@@ -303,12 +316,6 @@ def _not_a_shard(path: str, leaf, fn: str):
             f"{fn}: {path!r} is a {type(leaf).__name__}, not a sharded tensor. Trees passed to "
             f"{fn} hold only DTensors from fs.shard (or LocalShards from fs.to_local); keep "
             "other values outside the tree, or use None for an absent entry."
-        )
-    if isinstance(_unwrap_functorch(leaf), DTensor):
-        raise TypeError(
-            f"{fn}: {path!r} is a DTensor that reached {fn} inside a torch.func transform, where "
-            "DTensor arguments lose their type. Convert the tree once before the transform and "
-            "once after: grads = fs.from_local(torch.func.grad(f)(fs.to_local(sharded), ...))."
         )
     raise TypeError(
         f"{fn}: {path!r} is a plain torch.Tensor of shape {list(leaf.shape)}, not a shard. "

@@ -436,7 +436,9 @@ def live_tensors(steps, donated):
 @pytest.mark.parametrize("donated", [True, False])
 def test_no_tensors_leak_over_40_steps(world2, donated):
     for counts_ in world2.run(live_tensors, 40, donated):
-        assert counts_ == [counts_[0]] * 3, counts_  # live tensors after 10, 25 and 40 steps
+        # live tensors after 10, 25 and 40 steps never grow (they may shrink: the shared rank
+        # process can free, during these steps, tensors that an earlier test left behind)
+        assert counts_[2] <= counts_[1] <= counts_[0], counts_
 
 
 # --- errors on sharded trees ------------------------------------------------------------------

@@ -150,3 +150,27 @@ def test_empty_groups_are_dropped():
     torch.manual_seed(0)
     p = fs.plan(nn.Sequential(nn.ReLU(), nn.Linear(2, 2)), fs.policy.by_type(nn.ReLU, nn.Linear))
     assert [g.name for g in p.groups] == ["1"]
+
+
+def test_low_precision_keeps_batchnorm_in_its_own_float32_group():
+    """FSDP1's rule (seed 000): with a low param_dtype, each BatchNorm module is a group in
+    float32, with a warning; the dtypes are part of the plan (printed, JSON)."""
+    with pytest.warns(UserWarning, match=r"BatchNorm modules \['bn'\].*float32"):
+        p = _plan(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    by_name = {g.name: g for g in p.groups}
+    assert (by_name["bn"].param_dtype, by_name["bn"].reduce_dtype) == (torch.float32,) * 2
+    assert by_name["bn"].params == ("bn.weight", "bn.bias")
+    for name in ("", "blocks.0"):
+        assert (by_name[name].param_dtype, by_name[name].reduce_dtype) == (
+            torch.bfloat16,
+            torch.float32,
+        )
+    bn_line = next(line for line in str(p).splitlines() if line.strip().startswith("bn "))
+    assert bn_line.endswith("2 params  (param_dtype float32, reduce_dtype float32)")
+    assert fs.Plan.from_json(p.to_json()) == p
+    names = lambda plan: [g.name for g in plan.groups]
+    assert names(_plan(param_dtype=torch.float32)) == names(_plan())  # no rule in full precision
+    edited = p.replace(
+        groups=tuple(g if g.name != "bn" else fs.Group("bn", g.params) for g in p.groups)
+    )
+    assert fs.Plan.from_json(edited.to_json()).groups[-1].param_dtype is None

@@ -8,7 +8,9 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.func import grad, vmap
 from torch.profiler import ProfilerActivity, profile
@@ -373,3 +375,76 @@ def test_profiler_shows_the_schedule_and_overlap(world2, prefetch):
         # the reduce-scatter of a group is issued when its backward ends, runs during the
         # backward of the group before it, and is waited for only then
         assert issued < next_backward < waited, names
+
+
+def batchnorm_in_bf16():
+    """TinyLM (a BatchNorm1d after the blocks) scheduled with bf16 parameters: the plan keeps
+    BatchNorm in float32; values and gradients are close to the float32 reference, and the wire
+    carries bf16 for the other groups and float32 for BatchNorm's."""
+    from _comm import Collectives
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make(layers=2)
+    params, buffers = fs.extract(model)
+    sharded = fs.shard(params, mesh(world))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = fs.plan(
+            model,
+            fs.policy.by_type(Block),
+            example_args=(tokens(rank),),
+            param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32,
+        )
+    apply = fs.schedule(model, plan)
+    batch = tokens(rank)
+    rec = Collectives()
+    with rec, warnings.catch_warnings():
+        warnings.simplefilter("error")  # the recorded plan is followed: no out-of-plan gather
+        loss, grads = fs.value_and_grad(
+            lambda p: lm_loss(apply(p, batch, buffers=buffers).float(), batch)
+        )(sharded)
+    ref_loss, ref, _ = reference_step(make(layers=2), [tokens(r) for r in range(world)])
+    mean = loss.clone()
+    dist.all_reduce(mean)
+    gathered = {dtype for kind, dtype, n in rec.sent if kind == "all_gather" and n}
+    bn_local = sum(-(-params[p].numel() // world) for p in ("bn.weight", "bn.bias"))  # per rank
+    bn_wire = {d for kind, d, n in rec.sent if kind == "all_gather" and n == bn_local}
+    return {
+        "warned": any("BatchNorm" in str(w.message) for w in caught),
+        "loss": abs(mean.item() / world - ref_loss.item()),
+        "grads": _err(grads, ref),
+        "dtypes": gathered,
+        "bn_wire": bn_wire,
+    }
+
+
+def test_batchnorm_under_bf16_matches_fp32_reference(world2):
+    for r in world2.run(batchnorm_in_bf16):
+        assert r["warned"]
+        assert r["loss"] < 2e-2 and r["grads"] < 2e-2, r
+        assert r["dtypes"] == {torch.bfloat16, torch.float32}, r
+        assert r["bn_wire"] == {torch.float32}, r
+
+
+def regathered(dim):
+    """Reshard after forward, then re-gathered for backward: refilled exactly, whatever the shard
+    dim and whether the sizes divide (padding) or not."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 6))
+    params, _ = fs.extract(net)
+    sharded = fs.shard(
+        params, mesh(dist.get_world_size()), lambda p, t: Shard(dim) if t.dim() == 2 else None
+    )
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(dist.get_rank()))
+    apply = fs.schedule(net, fs.plan(net, fs.policy.by_type(nn.Linear)))
+    _, grads = fs.value_and_grad(lambda p: F.mse_loss(apply(p, x), x))(sharded)
+    _, expected = fs.value_and_grad(
+        lambda p: F.mse_loss(fs.functional_call(net, fs.unshard(p), (x,)), x)
+    )(sharded)
+    return max((grads[k].to_local() - expected[k].to_local()).abs().max().item() for k in grads)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_regathered_parameters_are_refilled_exactly(world2, dim):
+    assert world2.run(regathered, dim) == [0.0, 0.0]

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from .. import _flat
 from .._compile import traced
 from .._consensus import agree
-from .._spec import LocalShard, as_local
+from .._dtensor import from_local, unwrap
+from .._spec import LocalShard, ShardSpec, spec_of
 from .._tree import PyTree, flatten, flatten_like, unflatten
 from ._unshard import reduce_mean
 
@@ -48,7 +48,7 @@ def reduce(
     given = [i for i, f in enumerate(fulls) if f is not None]
     layouts, dtypes = [], []
     for path, full, leaf in ((paths[i], fulls[i], like_leaves[i]) for i in given):
-        local, shard_spec = as_local(path, leaf, "reduce")
+        shard_spec = spec_of(path, leaf, "reduce")
         if not isinstance(full, torch.Tensor):
             raise TypeError(
                 f"reduce: full_grads at {path!r} is a {type(full).__name__}, not a tensor."
@@ -60,26 +60,26 @@ def reduce(
                 f"shape {list(shard_spec.shape)} of the parameter it reduces into."
             )
         layouts.append(_flat.Layout.stripped(path, shard_spec, lead))
-        dtypes.append(local.dtype)
+        dtypes.append(leaf.tensor.dtype if isinstance(leaf, LocalShard) else leaf.dtype)
     opts = _flat.Options("reduce", reduce_dtype=reduce_dtype, mean=mean)
     entries = [(paths[i], a.spec, d, True) for i, a, d in zip(given, layouts, dtypes, strict=True)]
     wire = ("grad_dtypes", tuple(fulls[i].dtype for i in given))
     agree("reduce", entries, (*opts.key(), wire))
     reduced = _flat.scatter([fulls[i] for i in given], layouts, dtypes, opts) if given else []
     outs: list = [None] * len(fulls)
-    for i, out in zip(given, reduced, strict=True):
-        outs[i] = _like(out, like_leaves[i])
+    for i, out in zip(given, _like(reduced, [like_leaves[i] for i in given]), strict=True):
+        outs[i] = out
     return unflatten(spec, outs)
 
 
-def _like(out: torch.Tensor, leaf):
-    if isinstance(leaf, DTensor):
-        return DTensor.from_local(
-            out,
-            leaf.device_mesh,
-            leaf.placements,
-            run_check=False,
-            shape=leaf.shape,
-            stride=leaf.stride(),
-        )
-    return LocalShard(out, leaf.spec)
+def _like(outs: list[torch.Tensor], leaves) -> list:
+    """Each result in the form of its ``like`` leaf: a LocalShard, or a DTensor (also under
+    torch.func wrappers; see [Note: DTensor trees inside torch.func]), in one call."""
+    dtensors = [i for i, leaf in enumerate(leaves) if not isinstance(leaf, LocalShard)]
+    specs = [ShardSpec.of(unwrap(leaves[i])) for i in dtensors]
+    made = from_local([outs[i] for i in dtensors], specs)
+    result = [LocalShard(out, leaf.spec) if isinstance(leaf, LocalShard) else None
+              for out, leaf in zip(outs, leaves, strict=True)]  # fmt: skip
+    for i, d in zip(dtensors, made, strict=True):
+        result[i] = d
+    return result

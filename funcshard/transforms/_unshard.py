@@ -6,7 +6,7 @@ import torch
 
 from .. import _consensus, _flat, _sink
 from .._compile import traced
-from .._spec import as_local, check_materialized
+from .._spec import as_locals, check_materialized
 from .._tree import PyTree, flatten, unflatten
 
 
@@ -47,11 +47,8 @@ def unshard(
         ValueError: bad ``grad_reduce``; a local tensor that does not match its spec.
     """
     paths, leaves, spec = flatten(sharded)
-    locals_, layouts = [], []
-    for path, leaf in zip(paths, leaves, strict=True):
-        local, shard_spec = as_local(path, leaf, "unshard")
-        locals_.append(local)
-        layouts.append(_flat.Layout.of(path, shard_spec, local))
+    locals_, specs = as_locals(paths, leaves, "unshard")
+    layouts = [_flat.Layout.of(p, s, t) for p, s, t in zip(paths, specs, locals_, strict=True)]
     check_materialized(paths, locals_, "unshard")
     opts = _flat.Options("unshard", param_dtype, reduce_dtype, mean=reduce_mean(grad_reduce))
     specs = zip(paths, layouts, locals_, strict=True)

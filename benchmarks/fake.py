@@ -1,0 +1,51 @@
+"""A fake process group in one process: collectives that move nothing, for any world size.
+
+torch ships the backend for its own tests (``torch.testing._internal.distributed.fake_pg``):
+every collective returns at once with uninitialised outputs. funcshard's agreement check
+(``_consensus``) exchanges a fingerprint through the process group's store, which the fake
+store does not implement; ``_MirrorStore`` answers it as if every imaginary rank had published
+what this one did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections.abc import Iterator
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+class _MirrorStore(dist.Store):
+    """Every key reads back the last value this rank set (all ranks agree with this one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last = b""
+
+    def set(self, key: str, value: bytes) -> None:
+        self.last = value
+
+    def get(self, key: str) -> bytes:
+        return self.last
+
+    def wait(self, keys, timeout: datetime.timedelta | None = None) -> None:
+        pass
+
+    def multi_get(self, keys) -> list[bytes]:
+        return [self.last] * len(keys)
+
+
+@contextlib.contextmanager
+def fake_world(world: int, rank: int = 0) -> Iterator[DeviceMesh]:
+    """A 1-D CPU mesh over a fake process group of ``world`` ranks (this process is ``rank``)."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
+
+    store = _MirrorStore()  # referenced until the group is destroyed (c10d keeps no Python ref)
+    dist.init_process_group("fake", store=store, rank=rank, world_size=world)
+    try:
+        yield init_device_mesh("cpu", (world,))
+    finally:
+        dist.destroy_process_group()
+        del store

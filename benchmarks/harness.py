@@ -1,0 +1,132 @@
+"""What every part shares: alternating timing with medians and paired ratios, the machine's
+description, and JSON results.
+
+[Note: fair timing]
+Variants run in the same processes, one step each in turn (the order rotating every round),
+after warm-up steps, with a barrier before each step: machine noise (other jobs on a shared
+machine, frequency changes) then hits every variant alike. A step's time is the slowest rank's
+(the others wait for it at the next collective anyway). The reported time is the median over
+rounds; the reported ratio is the median of the per-round ratios ``variant / baseline``, which
+cancels slow drifts that a ratio of medians would keep.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def alternate(
+    steps: dict[str, Callable[[int], Any]], *, rounds: int, warmup: int, device: torch.device
+) -> dict[str, list[float]]:
+    """Run each step function (``fn(i)`` for round ``i``) once per round, in rotating order;
+    return the slowest rank's seconds per measured round. Collective: every rank calls it."""
+    names = list(steps)
+    mine: dict[str, list[float]] = {n: [] for n in names}
+    for i in range(warmup + rounds):
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            sync(device)
+            if dist.is_initialized():
+                dist.barrier()
+            t0 = time.perf_counter()
+            steps[name](i)
+            sync(device)
+            if i >= warmup:
+                mine[name].append(time.perf_counter() - t0)
+    if not dist.is_initialized():
+        return mine
+    everyone: list[dict[str, list[float]]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(everyone, mine)
+    return {n: [max(r[n][j] for r in everyone) for j in range(rounds)] for n in names}
+
+
+def summary(times: dict[str, list[float]], baseline: str) -> dict[str, dict[str, float]]:
+    """Median ms per variant, and the median per-round ratio to ``baseline``."""
+    base = times[baseline]
+    out = {}
+    for name, ts in times.items():
+        out[name] = {
+            "ms": 1e3 * statistics.median(ts),
+            "ratio": statistics.median(t / b for t, b in zip(ts, base, strict=True)),
+            "rounds": len(ts),
+        }
+    return out
+
+
+def machine(device: torch.device) -> dict[str, Any]:
+    """Where the numbers come from (recorded with every result)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    info = {
+        "host": platform.node(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": device.type,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def label(info: dict[str, Any]) -> str:
+    """A short machine label for tables: ``2-core AMD EPYC, CPU (gloo)``."""
+    if info.get("gpu"):
+        return f"{info['gpu']} (NCCL)"
+    return f"{info['cores']}-core {info['cpu']}, CPU (gloo)"
+
+
+def write(name: str, result: dict[str, Any], out: Path = RESULTS) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    return path
+
+
+def dtype_name(dtype: torch.dtype | None) -> str:
+    return "fp32" if dtype in (None, torch.float32) else str(dtype).removeprefix("torch.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What a part running on the ranks gets: the mesh, the device and the sizes to use."""
+
+    mesh: Any  # DeviceMesh
+    device: torch.device
+    quick: bool
+    rounds: int
+    warmup: int
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def world(self) -> int:
+        return dist.get_world_size()

@@ -1,0 +1,166 @@
+"""The frameworks compared: one small function each, ``variant(workload, mesh, options) ->
+Trainer``, registered in ``VARIANTS``.
+
+A ``Trainer`` is one framework's training step on one model, split into the phases the
+memory accounting needs. Both frameworks get the same model, the same grouping (FSDP2:
+``fully_shard`` on every module of ``workload.group_types``, then the root; funcshard: a plan
+with ``fs.policy.by_type`` of the same types) and the same optimizer arithmetic (AdamW:
+``torch.optim.AdamW`` vs the donated ``fs.optim.step`` of ``fs.optim.adamw``, both with torch's
+default kernel choice). Adding a variant (e.g. issue 9's compiled ones) is one function here and
+one line in ``VARIANTS``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+import funcshard as fs
+
+from .workloads import Workload
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What a comparison varies. ``param_dtype``: the dtype gathered and computed in (``None``:
+    the parameters' own); gradients are then reduced in fp32. ``prefetch`` /
+    ``backward_prefetch`` / ``merge_bytes`` are funcshard's plan (FSDP2 keeps its defaults);
+    ``module_groups`` gives FSDP2 explicit groups (each a list of module fqns sharded together,
+    ``fully_shard([...])``) instead of one per module of ``group_types``."""
+
+    param_dtype: torch.dtype | None = None
+    reshard_after_forward: bool = True
+    prefetch: int = 1
+    backward_prefetch: int = 1
+    merge_bytes: int | None = None
+    module_groups: tuple[tuple[str, ...], ...] | None = None  # FSDP2: fully_shard these lists
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+
+    @property
+    def reduce_dtype(self) -> torch.dtype | None:
+        return torch.float32 if self.param_dtype is not None else None
+
+
+@dataclasses.dataclass
+class Trainer:
+    """One framework's training step. ``forward_backward(batch)`` leaves the gradients in place
+    (returns the loss); ``optimizer_step()`` applies them and drops them. ``parameters``,
+    ``gradients`` and ``optimizer_state`` list the local tensors (for memory accounting)."""
+
+    forward_backward: Callable[[tuple[torch.Tensor, ...]], torch.Tensor]
+    optimizer_step: Callable[[], None]
+    parameters: Callable[[], list[torch.Tensor]]
+    gradients: Callable[[], list[torch.Tensor]]
+    optimizer_state: Callable[[], list[torch.Tensor]]
+    plan: fs.Plan | None = None
+
+    def step(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        loss = self.forward_backward(batch)
+        self.optimizer_step()
+        return loss
+
+
+def _local(t: Any) -> Any:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def fsdp2(w: Workload, mesh: DeviceMesh, o: Options) -> Trainer:
+    """``fully_shard`` on every group module and the root; ``torch.optim.AdamW``."""
+    model = w.build()
+    mp = MixedPrecisionPolicy(param_dtype=o.param_dtype, reduce_dtype=o.reduce_dtype)
+    kw = dict(mesh=mesh, reshard_after_forward=o.reshard_after_forward, mp_policy=mp)
+    if o.module_groups is not None:
+        for names in o.module_groups:
+            fully_shard([model.get_submodule(n) for n in names], **kw)
+    else:
+        for m in reversed(list(model.modules())):  # children before parents
+            if isinstance(m, w.group_types) and m is not model:
+                fully_shard(m, **kw)
+    # the root: FSDP2's default (None) keeps it unsharded from forward to backward, as funcshard
+    root = None if o.reshard_after_forward else False
+    fully_shard(model, **{**kw, "reshard_after_forward": root})
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+
+    def forward_backward(batch):
+        loss = w.loss(model(*batch), batch)
+        loss.backward()
+        return loss.detach()
+
+    def optimizer_step():
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return Trainer(
+        forward_backward,
+        optimizer_step,
+        parameters=lambda: [_local(p) for p in model.parameters()],
+        gradients=lambda: [_local(p.grad) for p in model.parameters() if p.grad is not None],
+        optimizer_state=lambda: [
+            _local(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v)
+        ],
+    )
+
+
+def funcshard(w: Workload, mesh: DeviceMesh, o: Options) -> Trainer:
+    """``fs.schedule`` with the same grouping; ``fs.optim.step`` of ``fs.optim.adamw``."""
+    model = w.build()
+    params, buffers = fs.extract(model)
+    sharded = fs.shard(params, mesh)
+    plan = plan_for(w, model, o)
+    model.to("meta")
+    del params
+    apply = fs.schedule(model, plan, param_dtype=o.param_dtype, reduce_dtype=o.reduce_dtype)
+    opt = fs.optim.adamw(o.lr, weight_decay=o.weight_decay)
+    box: dict[str, Any] = {"params": sharded, "state": opt.init(sharded), "grads": None}
+
+    def loss_fn(p, batch):
+        return w.loss(apply(p, *batch, buffers=buffers), batch)
+
+    def forward_backward(batch):
+        loss, box["grads"] = fs.value_and_grad(loss_fn)(box["params"], batch)
+        return loss
+
+    def optimizer_step():
+        box["params"], box["state"] = fs.optim.step(opt, box["params"], box["grads"], box["state"])
+        box["grads"] = None
+
+    leaves = lambda tree: [_local(t) for t in torch.utils._pytree.tree_leaves(tree)]
+    return Trainer(
+        forward_backward,
+        optimizer_step,
+        parameters=lambda: leaves(box["params"]),
+        gradients=lambda: [g for g in leaves(box["grads"]) if g is not None],
+        optimizer_state=lambda: [t for t in leaves(box["state"]) if torch.is_tensor(t)],
+        plan=plan,
+    )
+
+
+def plan_for(w: Workload, model: torch.nn.Module, o: Options) -> fs.Plan:
+    """funcshard's plan for ``model``: groups by ``w.group_types``, merged if ``o`` says so."""
+    plan = fs.plan(
+        model,
+        fs.policy.by_type(*w.group_types),
+        prefetch=o.prefetch,
+        backward_prefetch=o.backward_prefetch,
+        reshard_after_forward=o.reshard_after_forward,
+    )
+    if o.merge_bytes is not None:
+        plan = fs.merge_groups(plan, model, o.merge_bytes, param_dtype=o.param_dtype)
+    return plan
+
+
+def module_groups(plan: fs.Plan) -> tuple[tuple[str, ...], ...]:
+    """The modules owning each group's parameters: FSDP2's grouping for the same plan."""
+    owners = lambda g: tuple(dict.fromkeys(p.rpartition(".")[0] for p in g.params))
+    return tuple(owners(g) for g in plan.groups if g.name)
+
+
+Variant = Callable[[Workload, DeviceMesh, Options], Trainer]
+VARIANTS: dict[str, Variant] = {"fsdp2": fsdp2, "funcshard": funcshard}

@@ -1,0 +1,153 @@
+"""The benchmark suite's own arithmetic (memory categories, the communication lower bound, plan
+windows, interval overlap, the report's markers) and a smoke run of its parts on 2 ranks.
+No timing is asserted: performance numbers live in BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import funcshard as fs
+from benchmarks import comms, harness, memory, overhead, report, scale, step_time, timeline
+from benchmarks.memory import CATEGORIES, Event
+from benchmarks.variants import VARIANTS, Options, module_groups, plan_for
+from benchmarks.workloads import linears, transformer
+
+from _mesh import mesh
+
+MAIN, GLOO = 1, 2
+
+
+def test_memory_categories_follow_allocations_by_address():
+    events = [
+        Event(1, ptr=10, size=100, thread=MAIN),  # activation
+        Event(2, ptr=20, size=50, thread=MAIN, comm=True),  # unsharded parameters
+        Event(3, ptr=30, size=70, thread=GLOO),  # gloo scratch
+        Event(4, ptr=30, size=-70, thread=GLOO),
+        Event(5, ptr=40, size=8, thread=MAIN),  # the gradient (alive when backward ends)
+        Event(6, ptr=20, size=-50, thread=MAIN),
+        Event(7, ptr=10, size=-100, thread=GLOO),  # freed by another thread: still the main's
+        Event(8, ptr=99, size=-5, thread=MAIN),  # allocated before the step
+        Event(9, ptr=50, size=30, thread=MAIN),  # after backward (optimizer temporary)
+    ]
+    resident = {"parameters": 1000, "optimizer state": 2000}
+    r = memory.account(events, main=MAIN, gradients={40, 50}, backward_end=8, resident=resident)
+    # all threads: highest at t=3 (activation + unsharded + scratch)
+    assert r["peak_all"] == 3000 + 100 + 50 + 70
+    assert r["at_peak_all"] == dict.fromkeys(CATEGORIES, 0) | resident | {
+        "activations + temporaries": 100,
+        "unsharded parameters + comm. buffers": 50,
+        "gloo threads": 70,
+    }
+    # own thread: highest at t=5 (activation + unsharded + gradient), scratch left out
+    assert r["peak_own"] == 3000 + 100 + 50 + 8
+    assert r["at_peak_own"]["gradients"] == 8 and "gloo threads" not in r["at_peak_own"]
+    for key in ("all", "own"):
+        assert sum(r[f"at_peak_{key}"].values()) == r[f"peak_{key}"]
+
+
+def test_memory_gradient_address_reused_after_a_temporary():
+    events = [
+        Event(1, ptr=40, size=64, thread=MAIN),  # a temporary at the gradient's future address
+        Event(2, ptr=40, size=-64, thread=MAIN),
+        Event(3, ptr=40, size=8, thread=MAIN),  # the gradient
+    ]
+    r = memory.account(events, main=MAIN, gradients={40}, backward_end=5, resident={})
+    assert r["peak_own"] == 64 and r["at_peak_own"]["activations + temporaries"] == 64
+
+
+def test_communication_lower_bound_and_bytes():
+    # 2 ranks, 10 fp32 parameters gathered in bf16 twice, reduced in fp32 once: half of each
+    assert comms.lower_bound([4, 6], 2, 4, world=2, gathers=2) == 0.5 * (2 * 20 + 40)
+    assert comms.lower_bound([4, 6], 4, 4, world=4, gathers=1) == 0.75 * (40 + 40)
+    assert comms.sent_bytes("all_gather", 100, 4) == 75
+    assert comms.sent_bytes("all_reduce", 100, 2) == 100
+    assert comms.kind_of("_allgather_base_") == "all_gather"
+    assert comms.kind_of("reduce_scatter_tensor_coalesced_") == "reduce_scatter"
+    assert comms.kind_of("wait_tensor") is None
+    out, inp = torch.empty(8), torch.empty(4)
+    assert comms.buffer_bytes((out, inp, "pg"), None) == 32  # all-gather: the output
+    assert comms.buffer_bytes(([out], [[inp]]), None) == 32
+
+
+def test_plan_window_and_linear_fit():
+    model = linears(4, 2).build()
+    plan = fs.plan(model, fs.policy.by_type(nn.Linear), prefetch=1, backward_prefetch=1)
+    nbytes = {g.name: 10 for g in plan.groups}
+    assert scale.window(plan, nbytes) == 20  # the group computing + one prefetched
+    assert scale.window(plan.replace(prefetch=0, backward_prefetch=0), nbytes) == 10
+    assert scale.linear_fit([1, 2, 3], [3, 5, 7]) == pytest.approx((2, 1, 1))
+
+
+def test_timeline_intervals():
+    assert timeline.merge([(3, 4), (0, 1), (0.5, 2)]) == [(0, 2), (3, 4)]
+    assert timeline.overlap([(0, 2), (3, 4)], [(1, 3.5)]) == pytest.approx(1.5)
+
+
+def test_report_replaces_only_marked_blocks():
+    text = "prose\n<!-- bench:step -->\nold\n<!-- /bench:step -->\nmore prose\n"
+    assert report.fill(text, {"step": "new table", "other": "x"}) == (
+        "prose\n<!-- bench:step -->\nnew table\n<!-- /bench:step -->\nmore prose\n"
+    )
+
+
+def test_fsdp2_groups_of_a_merged_plan():
+    w = linears(6, 4)
+    merged = plan_for(w, w.build(), Options(merge_bytes=3 * 80))
+    assert module_groups(merged) == (("0.0", "1.0", "2.0"), ("3.0", "4.0", "5.0"))
+
+
+def smoke():
+    """The parts' code paths on tiny models (2 rounds; the numbers are not looked at)."""
+    ctx = harness.Context(mesh(dist.get_world_size()), torch.device("cpu"), True, 2, 1)
+    tiny = linears(4, 8, name="4 x linear 10x10")
+    out = {
+        "step": step_time.compare(ctx, tiny, Options()),
+        "comms": comms.run(ctx),
+        "overhead": overhead._table(ctx, tiny),
+        "timeline": timeline.run(ctx),
+    }
+    w = transformer(quick=True)
+    out["accounts"] = {}
+    for name in ("fsdp2", "funcshard"):
+        trainer = VARIANTS[name](w, ctx.mesh, Options())
+        trainer.step(w.batch(0, ctx.rank))
+        out["accounts"][name] = memory.profile_step(trainer, w.batch(1, ctx.rank), ctx.device)
+    return json.loads(json.dumps(out, default=str))
+
+
+def test_smoke_parts_on_two_ranks(world2):
+    for r in world2.run(smoke):
+        assert r["step"]["funcshard"]["loss_gap"] < 1e-5  # both frameworks train the same
+        assert r["step"]["funcshard"]["rounds"] == 2
+        for row in r["comms"]["rows"]:  # the same collectives as FSDP2, within the bound
+            assert row["funcshard"]["collectives"] == row["fsdp2"]["collectives"]
+            assert row["funcshard"]["x_bound"] == pytest.approx(row["fsdp2"]["x_bound"], rel=1e-2)
+        assert list(r["overhead"]["rows"]) == [
+            "FSDP2",
+            "funcshard",
+            "funcshard, merge_groups <= 4 KiB (1 groups)",
+            "FSDP2, the same 1 groups",
+        ]
+        lanes = r["timeline"]["frameworks"]["funcshard"][0]["lanes"]
+        assert lanes["compute"] and lanes["all-gather"] and lanes["reduce-scatter"]
+        a, b = r["accounts"]["fsdp2"], r["accounts"]["funcshard"]
+        for acc in (a, b):
+            assert sum(acc["at_peak_all"].values()) == acc["peak_all"] >= acc["peak_own"]
+        assert b["at_peak_all"]["optimizer state"] == pytest.approx(
+            a["at_peak_all"]["optimizer state"], rel=0.01
+        )
+
+
+def test_scale_and_driver_in_process(tmp_path):
+    from benchmarks import run
+
+    run.main(["--quick", "--only", "scale", "--out", str(tmp_path), "--no-report"])
+    result = json.loads((tmp_path / "scale.json").read_text())["result"]
+    for row in result["memory"]:  # per-rank parameters: P / W (+ padding) + the window
+        assert row["per_rank_gib"] == pytest.approx(row["formula_gib"], rel=0.05)
+    assert [r["world"] for r in result["memory"]] == [8, 1024]

@@ -1,0 +1,245 @@
+"""docs/failures.md documents every error and warning funcshard raises.
+
+How the check works: every ``raise X(...)`` and ``warnings.warn(...)`` in ``funcshard/**/*.py``
+is found with ``ast``. The literal text of its message (the constant parts of the string or
+f-string, between the placeholders) is cut into phrases of four consecutive words (punctuation
+and backticks ignored). The page must have a table row, in the section of the site's area
+(``AREAS``: by file, or by ``file::function``), that names the exception type (or the
+warning's category) and contains one of those phrases. So a new error fails here until a row
+quotes some of its message, while rewording a message fails only if none of the phrases the
+page quotes survive.
+
+Messages built elsewhere (``raise ValueError(_message(...))``, ``raise _error(...)``) are listed
+in ``INDIRECT`` with the phrases to look for; re-raises (``raise``, ``raise error``) are skipped.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "funcshard"
+PAGE = ROOT / "docs" / "failures.md"
+WORDS = 4  # phrase length
+
+SHARDING = "Sharding and meshes"
+TREES = "Trees, and ranks that disagree"
+GRADIENTS = "Gradients and frozen parameters"
+MODULES = "Modules: extract and functional_call"
+SCHEDULE = "Plans and the schedule"
+TORCH_FUNC = "torch.func transforms"
+OPTIM = "Optimizers: fs.optim"
+CHECKPOINT = "Checkpoints: fs.checkpoint"
+INIT = "Initialisation: fs.materialize"
+TESTING = "The testing harness: fs.testing"
+COMPILE = "torch.compile"
+
+# The page section of each raise site: "file::function" first, then the file, then its folder.
+AREAS = {
+    "_spec.py": SHARDING,
+    "_spec.py::from_local": TORCH_FUNC,
+    "_dtensor.py": TORCH_FUNC,
+    "_spec.py::check_materialized": INIT,
+    "transforms/_shard.py": SHARDING,
+    "_consensus.py": TREES,
+    "_tree.py": TREES,
+    "_autodiff.py": GRADIENTS,
+    "transforms/_unshard.py": GRADIENTS,
+    "transforms/_reduce.py": GRADIENTS,
+    "_extract.py": MODULES,
+    "_grouping.py": SCHEDULE,
+    "_plan.py": SCHEDULE,
+    "_compile.py": COMPILE,
+    "_bucketing.py": SCHEDULE,
+    "_record.py": SCHEDULE,
+    "_schedule.py": SCHEDULE,
+    "_collectives.py": TORCH_FUNC,
+    "_flat.py": TORCH_FUNC,
+    "_materialize.py": INIT,
+    "optim/": OPTIM,
+    "checkpoint/": CHECKPOINT,
+    "testing/": TESTING,
+}
+
+# Sites whose message is not written at the raise: "file::qualified function" -> (type, phrases).
+INDIRECT = {
+    "_compile.py::traced": ("RuntimeError", ["was created inside a function"]),  # .format
+    "_consensus.py::agree": ("ValueError", ["ranks disagree"]),  # built by _message
+    "testing/_pool.py::Pool._results": ("RankError", ["failed on rank", "did not finish"]),
+    "checkpoint/_comm.py::all_ok": ("RuntimeError", ["Saving wait"]),  # "rank r: <error>"
+    "testing/_reference.py::assert_close": ("AssertionError", ["does not match the structure"]),
+}
+
+
+class Site(NamedTuple):
+    file: str  # relative to funcshard/
+    line: int
+    function: str  # qualified: "Class.method", "outer.inner", "" at module level
+    kind: str  # the exception type or warning category
+    phrases: list[str]  # "" entries: none found (the message is not a literal)
+
+    def where(self) -> str:
+        return f"funcshard/{self.file}:{self.line}"
+
+
+def _runs(node: ast.AST) -> list[str]:
+    """The literal pieces of a message expression, split where a value is interpolated."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, ast.JoinedStr):
+        out, current = [], ""
+        for v in node.values:
+            if isinstance(v, ast.Constant):
+                current += v.value
+            else:
+                out.append(current)
+                current = ""
+        return [*out, current]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return _runs(node.left) + _runs(node.right)
+    return []
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"\w+", text)
+
+
+def _phrases(message: ast.AST | None) -> list[str]:
+    """Phrases of ``WORDS`` words from the message; the longest piece (of two words or more)
+    if none is that long."""
+    runs = [_words(r) for r in _runs(message)] if message is not None else []
+    windows = [" ".join(r[i : i + WORDS]) for r in runs for i in range(len(r) - WORDS + 1)]
+    if windows:
+        return windows
+    longest = max(runs, key=len, default=[])
+    return [" ".join(longest)] if len(longest) >= 2 else []
+
+
+def _name(node: ast.AST) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return ""
+
+
+def _site(file: str, scope: list[str], node: ast.AST) -> Site | None:
+    function = ".".join(scope)
+    if isinstance(node, ast.Raise):
+        exc = node.exc
+        if exc is None or (isinstance(exc, ast.Name) and not exc.id[0].isupper()):
+            return None  # a re-raise
+        if isinstance(exc, ast.Call):
+            message = exc.args[0] if exc.args else None
+            return Site(file, node.lineno, function, _name(exc.func), _phrases(message))
+        return Site(file, node.lineno, function, _name(exc), [])
+    if isinstance(node, ast.Call) and ast.unparse(node.func) == "warnings.warn":
+        category = node.args[1] if len(node.args) > 1 else None
+        category = next((k.value for k in node.keywords if k.arg == "category"), category)
+        kind = _name(category) if category is not None else "UserWarning"
+        return Site(file, node.lineno, function, kind, _phrases(node.args[0]))
+    return None
+
+
+def sites() -> list[Site]:
+    found = []
+
+    def visit(file: str, node: ast.AST, scope: list[str]) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                visit(file, child, [*scope, child.name])
+                continue
+            site = _site(file, scope, child)
+            if site is not None:
+                found.append(site)
+            visit(file, child, scope)
+
+    for path in sorted(PACKAGE.rglob("*.py")):
+        file = path.relative_to(PACKAGE).as_posix()
+        visit(file, ast.parse(path.read_text()), [])
+    return found
+
+
+def _area(site: Site) -> str | None:
+    top = site.function.split(".")[0]
+    folder = site.file.rsplit("/", 1)[0] + "/" if "/" in site.file else None
+    for key in (f"{site.file}::{top}", site.file, folder):
+        if key in AREAS:
+            return AREAS[key]
+    return None
+
+
+def _plain(text: str) -> str:
+    """The words of ``text``, space-separated and padded (so that phrases match whole words)."""
+    return f" {' '.join(_words(text))} "
+
+
+def sections() -> dict[str, list[str]]:
+    """``{level-2 heading: its table rows}``, each as its words (see :func:`_plain`)."""
+    out: dict[str, list[str]] = {}
+    current = None
+    for line in PAGE.read_text().splitlines():
+        if line.startswith("## "):
+            current = line[3:].replace("`", "").strip()
+            out[current] = []
+        elif current is not None and line.startswith("|"):
+            out[current].append(_plain(line))
+    return out
+
+
+def _documented(rows: list[str], kind: str, phrases: list[str]) -> bool:
+    return any(f" {kind} " in row and any(f" {p} " in row for p in phrases) for row in rows)
+
+
+def test_every_error_and_warning_is_on_the_page():
+    rows_of = sections()
+    found = sites()
+    assert len(found) > 100, "the scan finds too few raise sites: is the parser broken?"
+    problems = []
+    for site in found:
+        area = _area(site)
+        if area is None:
+            problems.append(f"{site.where()}: funcshard/{site.file} has no area in AREAS")
+            continue
+        rows = rows_of.get(area, [])
+        if site.phrases:
+            if not _documented(rows, site.kind, site.phrases):
+                first = site.phrases[0]
+                problems.append(
+                    f"{site.where()}: {site.kind} {first!r}... has no row in '## {area}'"
+                )
+            continue
+        key = f"{site.file}::{site.function}"
+        if key not in INDIRECT:
+            problems.append(f"{site.where()}: no literal message; add {key!r} to INDIRECT")
+            continue
+        kind, phrases = INDIRECT[key]
+        for phrase in phrases:
+            if not _documented(rows, kind, [phrase]):
+                problems.append(f"{site.where()}: {kind} {phrase!r} has no row in '## {area}'")
+    assert not problems, "docs/failures.md lacks:\n" + "\n".join(problems)
+
+
+def test_indirect_entries_are_current():
+    keys = {f"{s.file}::{s.function}" for s in sites() if not s.phrases}
+    stale, missing = sorted(set(INDIRECT) - keys), sorted(keys - set(INDIRECT))
+    assert not stale and not missing, f"INDIRECT: stale {stale}, missing {missing}"
+
+
+def test_every_area_is_a_section_of_the_page():
+    headings = set(sections())
+    missing = sorted(set(AREAS.values()) - headings)
+    assert not missing, f"docs/failures.md has no '## ' section for {missing}"
+    assert "What funcshard does not detect" in headings
+
+
+def test_the_phrases_come_from_the_message():
+    """The extraction itself: literal runs between placeholders, four words at a time."""
+    tree = ast.parse('raise ValueError(f"shard: {p!r} is already a DTensor with {x}; pass full")')
+    (site,) = [s for node in ast.walk(tree) if (s := _site("x.py", [], node)) is not None]
+    assert site.kind == "ValueError"
+    assert site.phrases == ["is already a DTensor", "already a DTensor with"]
+    assert _phrases(ast.parse('"no file "').body[0].value) == ["no file"]
