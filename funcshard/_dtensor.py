@@ -79,8 +79,27 @@ def _stacked(spec, size: int):
 
 def to_local(leaves, specs) -> list[torch.Tensor]:
     """The local shards of DTensor ``leaves`` (maybe under functorch wrappers, or closed over),
-    in one autograd call for the whole tree (see [Note: one call per tree])."""
+    in one autograd call for the whole tree (see [Note: one call per tree]).
+
+    Raises:
+        NotImplementedError: DTensors under ``torch.func`` transforms while ``torch.compile``
+            traces (see [Note: torch.func over DTensors under torch.compile]).
+    """
+    if leaves and torch.compiler.is_compiling() and any(unwrap(x) is not x for x in leaves):
+        raise NotImplementedError(_COMPILED_TRANSFORM)
     return list(ToLocal.apply(_Specs(specs), *leaves)) if leaves else []
+
+
+# [Note: torch.func over DTensors under torch.compile]
+# Compiled, a torch.func transform over a DTensor tree hands our rules cotangents that are
+# functional tensors rather than DTensors (torch 2.13): what they carry cannot be checked, and a
+# rank that fails there leaves the others in a collective. So it is refused, on every rank alike
+# and before any collective; the LocalShard form compiles (tests/test_compile.py).
+_COMPILED_TRANSFORM = (
+    "funcshard: torch.func transforms over DTensor trees do not compile (torch 2.13). Under "
+    "torch.compile, pass fs.to_local(tree) to the transform and fs.from_local its result "
+    "(docs/compile.md), or call the transform without torch.compile."
+)
 
 
 def from_local(locals_, specs) -> list[DTensor]:

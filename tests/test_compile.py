@@ -302,6 +302,36 @@ def test_torch_func_transforms(world2):
     world2.run(torch_func_transforms)
 
 
+def torch_func_over_dtensors_refused():
+    """A torch.func transform over the DTensor tree itself does not compile: every rank gets the
+    same clear error (as a warning beside Dynamo's), before any collective; eager still works."""
+    model, sharded, buffers = _setup()
+
+    def loss_fn(p, x, y):
+        return F.mse_loss(fs.functional_call(model, (fs.unshard(p), buffers), (x,)), y)
+
+    x, y = _batch(0)
+    compiled = torch.compile(torch.func.grad(loss_fn), backend="aot_eager", fullgraph=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            compiled(sharded, x, y)
+        except Exception as e:  # Dynamo's wrapper of ours
+            error = type(e).__name__
+        else:
+            error = None
+    eager = torch.func.grad(loss_fn)(sharded, x, y)  # the ranks are still in step
+    reference = fs.value_and_grad(loss_fn)(sharded, x, y)[1]
+    fs.testing.assert_close(eager, reference, **TOL)
+    return error, [str(w.message) for w in caught if "do not compile" in str(w.message)]
+
+
+def test_torch_func_over_dtensors_is_refused_on_every_rank(world2):
+    for error, messages in world2.run(torch_func_over_dtensors_refused):
+        assert error is not None
+        assert messages and "fs.to_local(tree)" in messages[0], messages
+
+
 def inductor_step():
     """A whole step compiled by inductor (C++ kernels), on the smallest model."""
     model, sharded, buffers = _setup()
