@@ -32,6 +32,17 @@ between). Every Function waits its inputs, and ``_flat`` waits before any plain 
 data, so a pending tensor never escapes. Under ``torch.func`` transforms (and anomaly mode)
 everything is synchronous: functorch would need batching and grad rules for the wait itself.
 
+[Note: CUDA streams]
+With NCCL, overlap needs no streams of ours: ProcessGroupNCCL runs every collective on its own
+stream, made to wait (by an event) for the work already queued on the caller's stream -- the
+copy into the all-gather's slot included -- and ``work.wait()`` / ``wait_tensor`` make the
+caller's stream wait for the collective's event without blocking the host. So a prefetched
+all-gather runs while the compute stream runs the previous group, and the caching allocator
+cannot hand the buffers to another stream's work early (the process group keeps them alive
+until its work ends). What FSDP2 does beyond that, and funcshard does not (yet): the copy-in
+on a stream of its own, so that it overlaps compute too. Not run here: no GPU was lent to the
+sessions that wrote this (``tests/test_cuda.py`` skips without one).
+
 [Note: collectives under torch.compile]
 While ``torch.compile`` traces (see [Note: funcshard under torch.compile] in ``_compile``), the
 functional collectives are recorded into the graph, and a collective's result is the output of
