@@ -409,14 +409,14 @@ def _lr_at(hp: _Hyper, count) -> float | torch.Tensor:
     if callable(hp.lr) and isinstance(count, torch.Tensor):
         return _traced_lr(hp, count)
     value = hp.lr(count) if callable(hp.lr) else hp.lr
-    return _checked_lr(hp, count, value)
+    return _checked_lr(hp, f"step {count}", value)
 
 
-def _checked_lr(hp: _Hyper, count, value) -> float:
+def _checked_lr(hp: _Hyper, when: str, value) -> float:
     value = float(value)
     if not math.isfinite(value) or value < 0:
         raise ValueError(
-            f"{hp.name}: the learning rate at step {count} is {value}; it must be a finite "
+            f"{hp.name}: the learning rate at {when} is {value}; it must be a finite "
             "number >= 0 (check the schedule)."
         )
     return value
@@ -451,7 +451,7 @@ def _traced_lr(hp: _Hyper, count: torch.Tensor) -> float | torch.Tensor:
             "(see docs/compile.md)."
         ) from e
     if not isinstance(value, torch.Tensor):
-        return _checked_lr(hp, count, value)  # it does not depend on the count
+        return _checked_lr(hp, "a compiled step", value)  # it does not depend on the count
     if value.numel() != 1 or value.is_complex():
         raise TypeError(
             f"{hp.name}: the learning-rate schedule {_describe(hp.lr)} returned a "
