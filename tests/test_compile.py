@@ -1,6 +1,7 @@
 """funcshard under torch.compile: the same values and gradients as eager, one compilation for a
-training step, the shards as graph inputs, and a scheduled step whose graph follows its plan
-(prefetch, and re-gathers in backward for reshard-after-forward). See docs/compile.md.
+training step (a learning-rate schedule included, computed in the graph), the shards as graph
+inputs, and a scheduled step whose graph follows its plan (prefetch, and re-gathers in backward
+for reshard-after-forward). See docs/compile.md.
 
 Compiling is slow on the 2-core CI machine: the models are tiny, most tests use ``aot_eager``
 (the graphs AOTAutograd records, run op by op) and one uses ``inductor``.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -188,9 +190,9 @@ def scheduled_step(kind: str, steps: int = 6):
     return counter.frame_count, int(comp_s.count), moved
 
 
-def test_scheduled_step(world2):
-    for kind in ("adamw", "sgd", "callable"):
-        assert world2.run(scheduled_step, kind) == [(1, 6, True)] * 2, kind
+@pytest.mark.parametrize("kind", ["adamw", "sgd", "callable"])
+def test_scheduled_step(world2, kind):
+    assert world2.run(scheduled_step, kind) == [(1, 6, True)] * 2
 
 
 def python_schedule():
