@@ -1,6 +1,7 @@
 """funcshard under torch.compile: the same values and gradients as eager, one compilation for a
-training step, the shards as graph inputs, and a scheduled step whose graph follows its plan
-(prefetch, and re-gathers in backward for reshard-after-forward). See docs/compile.md.
+training step (a learning-rate schedule included, computed in the graph), the shards as graph
+inputs, and a scheduled step whose graph follows its plan (prefetch, and re-gathers in backward
+for reshard-after-forward). See docs/compile.md.
 
 Compiling is slow on the 2-core CI machine: the models are tiny, most tests use ``aot_eager``
 (the graphs AOTAutograd records, run op by op) and one uses ``inductor``.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -148,6 +150,81 @@ def pure_update_step():
 def test_whole_step(world2):
     assert world2.run(whole_step) == [1, 1]
     assert world2.run(pure_update_step) == [1, 1]
+
+
+# ---- a learning-rate schedule in the graph ------------------------------------------------------
+
+
+def scheduled_step(kind: str, steps: int = 6):
+    """A whole step with warmup_cosine_decay_schedule, compiled once and never recompiled: the
+    schedule is computed in the graph from the count it reads, equal to eager (the float path)
+    at every step, across the end of the warm-up."""
+    model, sharded, buffers = _setup()
+    lr = fs.optim.warmup_cosine_decay_schedule(0.0, 0.05, warmup_steps=2, decay_steps=5)
+    if kind == "adamw":
+        opt = fs.optim.adamw(lr, weight_decay=0.1)
+    elif kind == "sgd":
+        opt = fs.optim.sgd(lr, momentum=0.9, weight_decay=0.01)
+    else:  # a schedule of the user's own, written with torch ops
+        opt = fs.optim.sgd(lambda t: 0.05 * 0.5 ** (torch.as_tensor(t) / 2), momentum=0.9)
+    vg = fs.value_and_grad(
+        lambda p, x, y: F.mse_loss(fs.functional_call(model, (fs.unshard(p), buffers), (x,)), y)
+    )
+
+    def step(params, state, x, y):
+        loss, grads = vg(params, x, y)
+        params, state = fs.optim.step(opt, params, grads, state)
+        return loss, params, state
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    eager_p, comp_p = _copy(sharded), _copy(sharded)
+    eager_s, comp_s = opt.init(eager_p), opt.init(comp_p)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for i in range(steps):  # lr: 0, 0.025, 0.05 (peak), then decaying to 0 at step 5
+            x, y = _batch(i)
+            eager_loss, eager_p, eager_s = step(eager_p, eager_s, x, y)
+            comp_loss, comp_p, comp_s = compiled(comp_p, comp_s, x, y)
+            fs.testing.assert_close((comp_loss, comp_p), (eager_loss, eager_p), **TOL)
+    moved = any(not torch.equal(comp_p[k], sharded[k]) for k in sharded)
+    return counter.frame_count, int(comp_s.count), moved
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd", "callable"])
+def test_scheduled_step(world2, kind):
+    assert world2.run(scheduled_step, kind) == [(1, 6, True)] * 2
+
+
+def python_schedule():
+    """A schedule that needs a Python number (math.cos of the count) under fullgraph: Dynamo's
+    Unsupported, with funcshard's message naming the optimizer in a warning."""
+    import math
+
+    model, sharded, buffers = _setup()
+    opt = fs.optim.sgd(lambda t: 0.1 * math.cos(t / 10))
+    vg = fs.value_and_grad(
+        lambda p, x, y: F.mse_loss(fs.functional_call(model, (fs.unshard(p), buffers), (x,)), y)
+    )
+    state = opt.init(sharded)
+    step = torch.compile(lambda g, s, p: opt.update(g, s, p), backend="aot_eager", fullgraph=True)
+    grads = vg(sharded, *_batch(0))[1]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            step(grads, state, sharded)
+            return "it compiled"
+        except torch._dynamo.exc.Unsupported:
+            pass
+    return [str(w.message) for w in caught if "learning-rate schedule" in str(w.message)]
+
+
+def test_python_schedule(world2):
+    for messages in world2.run(python_schedule):
+        assert len(messages) >= 1, messages
+        assert "sgd: the learning-rate schedule" in messages[0]
+        assert "must compute with torch ops" in messages[0]
+        assert "fs.optim's schedules" in messages[0]
+        assert "outside torch.compile" in messages[0]
 
 
 # ---- the schedule in the graph -----------------------------------------------------------------
@@ -361,7 +438,7 @@ def test_inductor(world2):
 
 def no_silent_fallback():
     """What cannot be compiled raises instead of falling back to eager: a new input shape under
-    error_on_recompile; a learning-rate schedule (its step count is a tensor) under fullgraph,
+    error_on_recompile; SGD momentum with dampening (its first step is special) under fullgraph,
     with funcshard's own message in a warning. Two transforms compiled directly do not share
     Dynamo's cache."""
     model, sharded, buffers = _setup()
@@ -385,18 +462,18 @@ def no_silent_fallback():
     value = compiled(sharded, x, y)[0]
     if not torch.equal(torch.compile(twice, backend="aot_eager")(sharded, x, y)[0], 2 * value):
         problems.append("a second transform compiled reused the first one's graph")
-    opt = fs.optim.sgd(fs.optim.linear_schedule(0.1, 0.0, 10))
+    opt = fs.optim.sgd(0.1, momentum=0.9, dampening=0.5)
     state = opt.init(sharded)
     step = torch.compile(lambda g, s, p: opt.update(g, s, p), backend="aot_eager", fullgraph=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             step(vg(sharded, *_batch(0))[1], state, sharded)
-            problems.append("a schedule compiled")
+            problems.append("dampening compiled")
         except torch._dynamo.exc.Unsupported:
             pass
-    if not any("learning-rate schedule" in str(w.message) for w in caught):
-        problems.append(f"no warning naming the schedule: {[str(w.message) for w in caught]}")
+    if not any("momentum with dampening" in str(w.message) for w in caught):
+        problems.append(f"no warning naming dampening: {[str(w.message) for w in caught]}")
     return problems
 
 

@@ -4,10 +4,13 @@ integer leaves, schedules against torch's LR schedulers, purity of ``update``, a
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import optree
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import funcshard as fs
 
@@ -117,6 +120,78 @@ def test_schedule_is_evaluated_at_the_state_count():
     assert "WarmupCosineDecay(init_value=0.0" in repr(
         optim.warmup_cosine_decay_schedule(0, 1, 1, 2)
     )
+
+
+_VALUES = st.floats(0.0, 10.0, allow_nan=False, allow_infinity=False)
+_STEPS = st.integers(0, 200)
+
+
+@st.composite
+def _schedules(draw):
+    kind = draw(st.sampled_from(["constant", "linear", "cosine", "warmup_cosine"]))
+    if kind == "constant":
+        return optim.constant_schedule(draw(_VALUES))
+    if kind == "linear":
+        return optim.linear_schedule(draw(_VALUES), draw(_VALUES), draw(_STEPS), draw(_STEPS))
+    if kind == "cosine":
+        return optim.cosine_decay_schedule(draw(_VALUES), draw(st.integers(1, 200)), draw(_VALUES))
+    warmup = draw(_STEPS)
+    decay = draw(st.integers(warmup + 1, warmup + 200))
+    return optim.warmup_cosine_decay_schedule(
+        draw(_VALUES), draw(_VALUES), warmup, decay, draw(_VALUES)
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(schedule=_schedules(), step=st.integers(0, 500))
+def test_schedules_of_a_tensor_count_agree_with_an_int_count(schedule, step):
+    """The torch-ops path (a compiled step's) gives the float path's value as a 0-dim float64
+    tensor; the int path still returns a float."""
+    expected = schedule(step)
+    assert type(expected) is float
+    for count in (torch.tensor(step), torch.tensor([step])):  # int64, as the state's count
+        value = schedule(count)
+        assert (
+            isinstance(value, torch.Tensor) and value.shape == () and value.dtype.is_floating_point
+        )
+        assert value.item() == pytest.approx(expected, rel=1e-7, abs=1e-12), count
+
+
+def test_schedules_trace_without_python_numbers():
+    """Schedules of a fake count (as AOTAutograd traces them) record torch ops, with no .item()
+    (which a fake tensor refuses)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        count = mode.from_tensor(torch.tensor(3))
+        for schedule in (
+            optim.constant_schedule(0.1),
+            optim.linear_schedule(0.0, 1.0, 4, 2),
+            optim.linear_schedule(0.5, 1.0, 0),
+            optim.cosine_decay_schedule(1.0, 10, 0.1),
+            optim.warmup_cosine_decay_schedule(0.0, 1.0, 4, 12, 0.1),
+        ):
+            assert schedule(count).shape == (), schedule
+
+
+def test_a_traced_count_is_given_to_the_schedule():
+    """With the count traced (faked here by patching ``compiling``; SGD's foreach kernel takes a
+    tensor lr eagerly too): a schedule's tensor lr gives the float lr's update; a schedule that
+    returns a number is checked; one that returns several numbers is refused."""
+
+    def one_step(opt):
+        params = {"w": torch.ones(3)}
+        return optim.step(opt, params, {"w": torch.ones(3)}, opt.init(params))[0]
+
+    expected = one_step(optim.sgd(0.5, momentum=0.9))
+    with mock.patch("funcshard.optim._kernels.compiling", return_value=True):
+        torch.testing.assert_close(
+            one_step(optim.sgd(optim.linear_schedule(0.5, 0.0, 4), momentum=0.9)), expected
+        )
+        with pytest.raises(ValueError, match=r"learning rate at a compiled step is -1\.0"):
+            one_step(optim.sgd(lambda t: -1.0))
+        with pytest.raises(TypeError, match=r"sgd: the learning-rate schedule .* shape \[2\]"):
+            one_step(optim.sgd(lambda t: torch.ones(2)))
 
 
 @pytest.mark.parametrize(

@@ -39,7 +39,8 @@ from .._tree import PyTree, flatten, map_with_path, unflatten
 from ._base import EmptyState, GradientTransformation, check_like, leaves_like, local, wrap
 from ._masked import Mask, resolve
 
-LearningRate = float | Callable[[int], float]
+# a float, or a schedule: step count (an int; under torch.compile, a 0-dim int64 tensor) -> lr
+LearningRate = float | Callable[[Any], float | torch.Tensor]
 
 
 class AdamState(NamedTuple):
@@ -317,7 +318,8 @@ def _sgd_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
             [local(targets[i]) for i in idx],
             [local(pairs.grads[i]).clone() if copy else local(pairs.grads[i]) for i in idx],
             given,
-            foreach=hp.foreach,
+            # a tensor lr needs the foreach kernel (see [Note: a schedule under torch.compile])
+            foreach=True if isinstance(lr, torch.Tensor) else hp.foreach,
             lr=lr,
             weight_decay=weight_decay,
             **opts,
@@ -377,8 +379,9 @@ def _count_of(state) -> int | torch.Tensor:
     [Note: the step count under torch.compile]
     Converting the count to a Python number while tracing would bake it into the graph (a
     guard, and a recompilation at every step). Traced, it stays a tensor: torch's kernels take
-    tensor steps (as ``torch.optim`` does under compile), and a learning rate given as a number
-    does not depend on it. A schedule would: it needs the count as a number.
+    tensor steps (as ``torch.optim`` does under compile), a learning rate given as a number does
+    not depend on it, and a schedule is called with the tensor (see [Note: a schedule under
+    torch.compile]).
     """
     return state.count if compiling() else int(state.count)
 
@@ -400,21 +403,69 @@ def _steps(count, n: int) -> list[torch.Tensor]:
     return list(torch.full((n,), float(count), dtype=_get_scalar_dtype()).unbind(0))
 
 
-def _lr_at(hp: _Hyper, count) -> float:
+def _lr_at(hp: _Hyper, count) -> float | torch.Tensor:
+    """The learning rate of this update: a float, checked; under ``torch.compile`` with a
+    schedule, the schedule's 0-dim tensor (see [Note: a schedule under torch.compile])."""
     if callable(hp.lr) and isinstance(count, torch.Tensor):
-        raise NotImplementedError(
-            f"{hp.name}: a learning-rate schedule needs the step count as a number, which a "
-            "compiled step does not have (see docs/compile.md); compile the gradient "
-            "computation and run the optimizer step outside torch.compile, or use a constant lr."
-        )
+        return _traced_lr(hp, count)
     value = hp.lr(count) if callable(hp.lr) else hp.lr
+    return _checked_lr(hp, f"step {count}", value)
+
+
+def _checked_lr(hp: _Hyper, when: str, value) -> float:
     value = float(value)
     if not math.isfinite(value) or value < 0:
         raise ValueError(
-            f"{hp.name}: the learning rate at step {count} is {value}; it must be a finite "
+            f"{hp.name}: the learning rate at {when} is {value}; it must be a finite "
             "number >= 0 (check the schedule)."
         )
     return value
+
+
+def _traced_lr(hp: _Hyper, count: torch.Tensor) -> float | torch.Tensor:
+    """The schedule called with the traced count.
+
+    [Note: a schedule under torch.compile]
+    The count is a traced tensor (see [Note: the step count under torch.compile]), so the
+    schedule is called with it, as optax's schedules are called with a traced count under
+    ``jax.jit``; fs.optim's schedules then compute with torch ops (see [Note: schedules of a
+    tensor count] in ``_schedules``) and the graph computes the lr at every step from the count
+    it reads. torch's kernels take that 0-dim tensor as ``torch.optim`` takes a tensor ``lr``:
+    Adam/AdamW through the capturable path (the one a compiled step always uses), with the same
+    formulas as for a float; SGD through its foreach kernel, the one torch.optim makes take a
+    tensor lr under compile (``p += g * -lr``, where the loop's ``p.add_(g, alpha=-lr)`` needs a
+    number), which may round the last bit differently. A value is not a Python number at trace
+    time, so a negative or non-finite lr from a schedule is not checked in a compiled step
+    (eager steps check it); a schedule that returns a Python number is checked while tracing.
+    """
+    try:
+        value = hp.lr(count)
+    except Exception as e:
+        raise TypeError(
+            f"{hp.name}: the learning-rate schedule {_describe(hp.lr)} failed when called with "
+            f"the step count as a tensor, as a step compiled by torch.compile calls it "
+            f"({type(e).__name__}: {e}). Under torch.compile a schedule gets the count as a "
+            "0-dim int64 tensor and must compute with torch ops (torch.where, torch.clamp, "
+            "torch.cos; not int(step), math.cos or `if step < n`): write it so, or use "
+            "fs.optim's schedules, which do; or run the optimizer step outside torch.compile "
+            "(see docs/compile.md)."
+        ) from e
+    if not isinstance(value, torch.Tensor):
+        return _checked_lr(hp, "a compiled step", value)  # it does not depend on the count
+    if value.numel() != 1 or value.is_complex():
+        raise TypeError(
+            f"{hp.name}: the learning-rate schedule {_describe(hp.lr)} returned a "
+            f"{value.dtype} tensor of shape {list(value.shape)}; it must return a number or a "
+            "tensor with one real element."
+        )
+    value = value.detach().reshape(())
+    return value if value.is_floating_point() else value.to(torch.float64)
+
+
+def _describe(fn) -> str:
+    if dataclasses.is_dataclass(fn):
+        return repr(fn)
+    return getattr(fn, "__qualname__", None) or repr(fn)
 
 
 def _check_lr(name: str, lr) -> None:

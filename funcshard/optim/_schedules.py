@@ -2,6 +2,16 @@
 
 Each schedule is a small frozen dataclass (printable, comparable) called as ``schedule(step)``
 with the number of updates done so far (``0`` for the first update); it returns a float.
+
+[Note: schedules of a tensor count]
+Under ``torch.compile`` the optimizer's step count is a traced tensor (see [Note: the step count
+under torch.compile] in ``_kernels``). Called with a tensor, a schedule computes with torch ops
+only (``clamp``, ``cos``, ``where``; no Python branch on the count, no ``int()``), in float64,
+and returns a 0-dim float64 tensor on the count's device: the graph reads the count at run time,
+so one graph serves every step, as optax's schedules of a traced count serve ``jax.jit``. Both
+branches of a piecewise schedule are computed and ``where`` picks one, as optax's
+``join_schedules`` does. Called with an int, a schedule returns the float it always returned;
+the two agree to float64 rounding (``math.cos`` and ``torch.cos`` may differ in the last bit).
 """
 
 from __future__ import annotations
@@ -9,9 +19,24 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import torch
+
 
 def _int(step) -> int:
     return int(step)
+
+
+def _is_tensor(step) -> bool:
+    return isinstance(step, torch.Tensor)
+
+
+def _float64(step: torch.Tensor) -> torch.Tensor:
+    """The count (one element) as a 0-dim float64 tensor."""
+    return step.reshape(()).to(torch.float64)
+
+
+def _full(step: torch.Tensor, value: float) -> torch.Tensor:
+    return torch.full((), float(value), dtype=torch.float64, device=step.device)
 
 
 def _non_negative(fn: str, **values) -> None:
@@ -24,7 +49,9 @@ def _non_negative(fn: str, **values) -> None:
 class Constant:
     value: float
 
-    def __call__(self, step) -> float:
+    def __call__(self, step) -> float | torch.Tensor:
+        if _is_tensor(step):
+            return _full(step, self.value)
         return float(self.value)
 
 
@@ -35,7 +62,13 @@ class Linear:
     transition_steps: int
     transition_begin: int = 0
 
-    def __call__(self, step) -> float:
+    def __call__(self, step) -> float | torch.Tensor:
+        if _is_tensor(step):
+            if self.transition_steps == 0:
+                return _full(step, self.init_value)
+            since = (_float64(step) - self.transition_begin).clamp(min=0)
+            frac = (since / self.transition_steps).clamp(max=1.0)
+            return (1 - frac) * (self.init_value - self.end_value) + self.end_value
         if self.transition_steps == 0:
             return float(self.init_value)
         frac = min(max(_int(step) - self.transition_begin, 0) / self.transition_steps, 1.0)
@@ -48,7 +81,11 @@ class CosineDecay:
     decay_steps: int
     alpha: float = 0.0
 
-    def __call__(self, step) -> float:
+    def __call__(self, step) -> float | torch.Tensor:
+        if _is_tensor(step):
+            t = _float64(step).clamp(max=self.decay_steps) / self.decay_steps
+            cosine = 0.5 * (1 + torch.cos(math.pi * t))
+            return self.init_value * ((1 - self.alpha) * cosine + self.alpha)
         t = min(_int(step), self.decay_steps) / self.decay_steps
         cosine = 0.5 * (1 + math.cos(math.pi * t))
         return self.init_value * ((1 - self.alpha) * cosine + self.alpha)
@@ -62,12 +99,18 @@ class WarmupCosineDecay:
     decay_steps: int
     end_value: float = 0.0
 
-    def __call__(self, step) -> float:
-        step = _int(step)
-        if step < self.warmup_steps:
-            return Linear(self.init_value, self.peak_value, self.warmup_steps)(step)
+    def __call__(self, step) -> float | torch.Tensor:
+        warmup = Linear(self.init_value, self.peak_value, self.warmup_steps)
         alpha = 0.0 if self.peak_value == 0 else self.end_value / self.peak_value
         decay = CosineDecay(self.peak_value, self.decay_steps - self.warmup_steps, alpha)
+        if _is_tensor(step):  # both pieces, then where (see [Note: schedules of a tensor count])
+            step = _float64(step)
+            return torch.where(
+                step < self.warmup_steps, warmup(step), decay(step - self.warmup_steps)
+            )
+        step = _int(step)
+        if step < self.warmup_steps:
+            return warmup(step)
         return decay(step - self.warmup_steps)
 
 
