@@ -146,7 +146,8 @@ def _schedules(draw):
 @given(schedule=_schedules(), step=st.integers(0, 500))
 def test_schedules_of_a_tensor_count_agree_with_an_int_count(schedule, step):
     """The torch-ops path (a compiled step's) gives the float path's value as a 0-dim float64
-    tensor; the int path still returns a float."""
+    tensor; the int path still returns a float. (Both give NaN where the arithmetic does, e.g.
+    a denormal peak with end_value > 0: the optimizer refuses a non-finite rate eagerly.)"""
     expected = schedule(step)
     assert type(expected) is float
     for count in (torch.tensor(step), torch.tensor([step])):  # int64, as the state's count
@@ -154,7 +155,7 @@ def test_schedules_of_a_tensor_count_agree_with_an_int_count(schedule, step):
         assert (
             isinstance(value, torch.Tensor) and value.shape == () and value.dtype.is_floating_point
         )
-        assert value.item() == pytest.approx(expected, rel=1e-7, abs=1e-12), count
+        assert value.item() == pytest.approx(expected, rel=1e-7, abs=1e-12, nan_ok=True), count
 
 
 def test_schedules_trace_without_python_numbers():
