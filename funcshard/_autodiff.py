@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import _sink
-from ._compile import traced
+from . import _sink, _spec
+from ._compile import compiling, traced
 from ._spec import LocalShard
 from ._tree import flatten, unflatten
 from .transforms._unshard import unshard
@@ -52,23 +52,32 @@ def value_and_grad(
     def wrapped(*args, **kwargs):
         args = list(args)
         rebuild, inputs, inputs_leaves = [], [], []
+        direct: dict[int, tuple[DTensor, torch.Tensor]] = {}
+        plain = torch._C._functorch.peek_interpreter_stack() is None and not compiling()
         for n in nums:
             paths, leaves, spec = flatten(args[n])
             wanted = _differentiated(paths, leaves)
-            fresh = [_fresh_leaf(x, w) for x, w in zip(leaves, wanted, strict=True)]
+            fresh = [
+                _fresh_leaf(x, w, direct if plain else None)
+                for x, w in zip(leaves, wanted, strict=True)
+            ]
             args[n] = unflatten(spec, fresh)
             rebuild.append((spec, len(fresh), len(inputs)))
             inputs.extend(_tensor(x) if w else None for x, w in zip(fresh, wanted, strict=True))
             inputs_leaves.extend(fresh)
         collect = _sink.collecting() if not sync_grads else nullcontext()
-        with torch.enable_grad(), collect as sink:
-            out = fn(*args, **kwargs)
-            value, aux = out if has_aux else (out, None)
-            _check_value(fn, value, has_aux)
-            if sink is None:
-                grads = _grads(value, inputs, inputs_leaves)
-            else:
-                grads = _unreduced(value, sink, inputs, inputs_leaves)
+        _spec.DIRECT.append(direct)
+        try:
+            with torch.enable_grad(), collect as sink:
+                out = fn(*args, **kwargs)
+                value, aux = out if has_aux else (out, None)
+                _check_value(fn, value, has_aux)
+                if sink is None:
+                    grads = _grads(value, inputs, inputs_leaves, direct)
+                else:
+                    grads = _unreduced(value, sink, inputs, inputs_leaves)
+        finally:
+            _spec.DIRECT.pop()
         trees = [unflatten(spec, grads[start : start + n]) for spec, n, start in rebuild]
         result = trees[0] if isinstance(argnums, int) else tuple(trees)
         value = value.detach()
@@ -152,23 +161,61 @@ def _differentiated(paths: list[str], leaves: list[Any]) -> list[bool]:
     return asked if any(asked) else floating
 
 
-def _fresh_leaf(x, differentiated: bool):
-    """A detached alias of ``x`` (a new autograd leaf if ``differentiated``)."""
+def _fresh_leaf(x, differentiated: bool, direct: dict | None = None):
+    """A detached alias of ``x`` (a new autograd leaf if ``differentiated``).
+
+    With ``direct`` (plain autograd), a DTensor's local shard gets a leaf of its own too,
+    recorded in ``direct``: see [Note: differentiating the local shards]."""
+    if direct is not None and type(x) is DTensor:
+        local = x._local_tensor.detach()
+        dt = DTensor(local, x._spec, requires_grad=differentiated)
+        direct[id(dt)] = (dt, local.detach().requires_grad_(differentiated))
+        return dt
     t = _tensor(x).detach()
     t = t.requires_grad_() if differentiated else t
     return LocalShard(t, x.spec) if isinstance(x, LocalShard) else t
 
 
-def _grads(value, inputs, leaves) -> list[Any]:
-    """Gradients of ``value`` w.r.t. ``inputs`` (``None`` entries: not differentiated)."""
-    wanted = [t for t in inputs if t is not None]
-    found = iter(torch.autograd.grad(value, wanted, allow_unused=True) if wanted else ())
+def _grads(value, inputs, leaves, direct) -> list[Any]:
+    """Gradients of ``value`` w.r.t. ``inputs`` (``None`` entries: not differentiated).
+
+    [Note: differentiating the local shards]
+    Differentiating a DTensor leaf costs two autograd Functions per call (``ToLocal`` where
+    ``schedule`` / ``unshard`` take its local shard, ``FromLocal`` in their backward) and one
+    DTensor construction per parameter per step for the gradient, paid inside autograd. Under
+    plain autograd, each differentiated DTensor ``x`` is therefore given two leaves: the DTensor
+    ``fn`` sees (``x``'s spec object around a detached alias of its shard) and a plain tensor
+    leaf for its local shard, recorded in ``_spec.DIRECT`` while ``fn`` runs. ``as_locals``
+    hands the recorded local leaf straight to the collectives (no Function, no wrapping),
+    and its gradient is wrapped into a DTensor once, here, outside autograd, with the same spec
+    object. DTensor code in ``fn`` (``p.to_local()``, DTensor arithmetic, a DTensor inside a
+    ``torch.func`` transform) still differentiates the DTensor leaf, and the two gradients are
+    added. ``_spec.DIRECT`` holds the leaves only during the call: nothing of it is reachable
+    from the graph. Under ``torch.func`` transforms and ``torch.compile`` the old route stays.
+    """
+    extra = [x for x, t in zip(leaves, inputs, strict=True) if t is not None and id(x) in direct]
+    wanted = [
+        direct[id(x)][1] if id(x) in direct else t
+        for t, x in zip(inputs, leaves, strict=True)
+        if t is not None
+    ]
+    found = torch.autograd.grad(value, wanted + extra, allow_unused=True) if wanted else ()
+    found, also = iter(found[: len(wanted)]), iter(found[len(wanted) :])
     out = []
     for t, x in zip(inputs, leaves, strict=True):
         if t is None:
             out.append(None)
             continue
         g = next(found)
+        if id(x) in direct:
+            local = direct[id(x)][1]
+            g = torch.zeros_like(local) if g is None else g
+            g = DTensor(g.detach(), x._spec, requires_grad=False)
+            via_dtensor = next(also)
+            if via_dtensor is not None:  # fn used the DTensor itself too
+                g = g + via_dtensor
+            out.append(g)
+            continue
         out.append(_like(torch.zeros_like(t) if g is None else g, x))
     return out
 

@@ -61,7 +61,9 @@ happen, so every rank issues the same collectives).
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -161,6 +163,73 @@ def _check_tree(sharded, group_of, unplanned) -> dict[str, Any]:
             "same module (fs.plan), or pass ignored parameters as plain tensors."
         )
     return extra
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """What a call computes from its tree's structure alone: the layouts (in the plan's order
+    of parameters) and each group's options. See [Note: per-structure state of a call]."""
+
+    layouts: tuple[_flat.Layout, ...]
+    options: dict[str, _flat.Options]
+
+
+_STATIC: collections.OrderedDict[tuple, _Static] = collections.OrderedDict()
+_STATIC_SIZE = 64  # structures remembered per process (least recently used dropped)
+
+
+def _static(plan: Plan, names, locals_, specs, opts: _flat.Options) -> _Static:
+    """The layouts and group options of a call, checked (materialised shards, ranks agree).
+
+    [Note: per-structure state of a call]
+    Per call, ``schedule`` needs each parameter's ``Layout`` (its spec's shapes per mesh dim,
+    checked against the local shard), each group's options and the ranks' agreement on the
+    structure (see ``_consensus``). These depend only on the plan, the options, and per leaf on
+    the spec, local shape, dtype, device and ``requires_grad``: that tuple is the cache key,
+    together with the default process group and the identity of each mesh (an equal mesh of
+    another process group must not reuse a layout holding the old mesh, whose groups the
+    collectives use). Hashing the key costs about as much as the agreement check's own key
+    did, and everything else is skipped. Not under ``torch.compile`` (symbolic shapes; the trace
+    runs once anyway). The cache is bounded (least recently used structures are dropped), and
+    a dropped structure is checked again when it comes back.
+    """
+    key = None
+    if not _compile.compiling():
+        leaves = tuple(
+            (s, t.dtype, t.requires_grad, t.shape, t.device)
+            for s, t in zip(specs, locals_, strict=True)
+        )
+        meshes = tuple(dict.fromkeys(id(s.mesh) for s in specs))
+        world = dist.group.WORLD if dist.is_initialized() else None
+        key = (plan, opts, world, meshes, leaves)
+        found = _STATIC.get(key)
+        if found is not None:
+            _STATIC.move_to_end(key)
+            return found
+    layouts = tuple(
+        _flat.Layout.of(p, spec, t) for p, spec, t in zip(names, specs, locals_, strict=True)
+    )
+    check_materialized(names, locals_, "schedule")
+    agree(
+        "schedule",
+        [leaf(p, spec, t) for p, spec, t in zip(names, specs, locals_, strict=True)],
+        (*opts.key(), ("plan", plan)),
+    )
+    options = {
+        g.name: _flat.Options(
+            g.name,
+            g.param_dtype or opts.param_dtype,
+            g.reduce_dtype or opts.reduce_dtype,
+            opts.mean,
+        )
+        for g in plan.groups
+    }
+    static = _Static(layouts, options)
+    if key is not None:
+        while _STATIC and len(_STATIC) >= _STATIC_SIZE:
+            _STATIC.popitem(last=False)
+        _STATIC[key] = static
+    return static
 
 
 class _Saved:
@@ -298,36 +367,21 @@ class _Run:
         self.index: dict[str, tuple[_Group, int]] = {}
         names = [p for g in plan.groups for p in g.params]
         locals_, specs = as_locals(names, [sharded[p] for p in names], "schedule")
-        shards = dict(zip(names, zip(locals_, specs, strict=True), strict=True))
+        static = _static(plan, names, locals_, specs, opts)
+        at = 0
         for g in plan.groups:
-            leaves = [sharded[p] for p in g.params]
-            pairs = [shards[p] for p in g.params]
-            layouts = [
-                _flat.Layout.of(p, spec, t) for p, (t, spec) in zip(g.params, pairs, strict=True)
-            ]
+            n = len(g.params)
             state = _Group(
                 g.name,
-                leaves,
-                [t for t, _ in pairs],
-                layouts,
-                _flat.Options(
-                    g.name,
-                    g.param_dtype or opts.param_dtype,
-                    g.reduce_dtype or opts.reduce_dtype,
-                    opts.mean,
-                ),
+                [sharded[p] for p in g.params],
+                locals_[at : at + n],
+                static.layouts[at : at + n],
+                static.options[g.name],
             )
+            at += n
             self.groups[g.name] = state
             for i, p in enumerate(g.params):
                 self.index[p] = (state, i)
-        check_materialized(
-            list(self.index), [g.locals[i] for g, i in self.index.values()], "schedule"
-        )
-        agree(
-            "schedule",
-            [leaf(p, g.layouts[i].spec, g.locals[i]) for p, (g, i) in self.index.items()],
-            (*opts.key(), ("plan", plan)),
-        )
         self.forward = _Cursor(plan.order, plan.forward, "forward")
         self.backward = _Cursor(plan.backward_order, plan.backward, "backward")
         self.in_forward = True

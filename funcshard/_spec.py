@@ -245,11 +245,21 @@ def as_locals(paths, leaves, fn: str) -> tuple[list[torch.Tensor], list[ShardSpe
     """
     specs = [spec_of(path, leaf, fn) for path, leaf in zip(paths, leaves, strict=True)]
     locals_ = [leaf.tensor if isinstance(leaf, LocalShard) else None for leaf in leaves]
-    dtensors = [i for i, leaf in enumerate(leaves) if not isinstance(leaf, LocalShard)]
+    if DIRECT and torch._C._functorch.peek_interpreter_stack() is None:
+        for i, leaf in enumerate(leaves):  # see [Note: differentiating the local shards]
+            found = DIRECT[-1].get(id(leaf))
+            if found is not None and found[0] is leaf:
+                locals_[i] = found[1]
+    dtensors = [i for i, x in enumerate(locals_) if x is None]
     shards = _dtensor.to_local([leaves[i] for i in dtensors], [specs[i] for i in dtensors])
     for i, local in zip(dtensors, shards, strict=True):
         locals_[i] = local
     return locals_, specs
+
+
+# The DTensors value_and_grad is differentiating, {id: (dtensor, local autograd leaf)}, per
+# call being run (innermost last); see [Note: differentiating the local shards] in _autodiff.
+DIRECT: list[dict[int, tuple[DTensor, torch.Tensor]]] = []
 
 
 def spec_of(path: str, leaf, fn: str) -> ShardSpec:

@@ -448,3 +448,87 @@ def regathered(dim):
 @pytest.mark.parametrize("dim", [0, 1])
 def test_regathered_parameters_are_refilled_exactly(world2, dim):
     assert world2.run(regathered, dim) == [0.0, 0.0]
+
+
+def per_structure_cache():
+    """The per-structure state of a call (layouts, options, agreement) is reused only for the
+    same structure: other dtypes, frozen leaves, plans and meshes get their own, and the cache
+    stays bounded."""
+    from funcshard import _schedule
+
+    rank = dist.get_rank()
+    model, sharded, buffers, plan = _setup(batchnorm=False)
+    batch = tokens(rank)
+    apply = fs.schedule(model, plan)
+    loss = lambda p: lm_loss(apply(p, batch, buffers=buffers), batch)
+    _schedule._STATIC.clear()
+    v1, g1 = fs.value_and_grad(loss)(sharded)
+    v2, g2 = fs.value_and_grad(loss)(sharded)
+    out = {"same": len(_schedule._STATIC) == 1 and v1.item() == v2.item()}
+    out["same"] &= all(torch.equal(g1[k].to_local(), g2[k].to_local()) for k in g1)
+    # a frozen leaf: a new structure, and no gradient for it
+    name = next(iter(sharded))
+    frozen = {k: v.detach().requires_grad_(k != name) for k, v in sharded.items()}
+    _, gf = fs.value_and_grad(loss)(frozen)
+    out["frozen"] = gf[name] is None and len(_schedule._STATIC) == 2
+    # another dtype: a new structure, computing in bf16
+    half = {k: v.detach().to(torch.bfloat16).requires_grad_() for k, v in sharded.items()}
+    _, gh = fs.value_and_grad(loss)(half)
+    out["dtype"] = gh[name].dtype == torch.bfloat16 and len(_schedule._STATIC) == 3
+    # another mesh object (equal, same ranks): its own entry, holding its own mesh
+    from torch.distributed.device_mesh import init_device_mesh
+
+    fresh = init_device_mesh("cpu", (dist.get_world_size(),))
+    other = fs.shard({k: v.full_tensor() for k, v in sharded.items()}, fresh)
+    _, go = fs.value_and_grad(loss)(other)
+    out["mesh"] = len(_schedule._STATIC) == 4 and all(
+        torch.equal(go[k].to_local(), g1[k].to_local()) for k in g1
+    )
+    # another plan over the same tree
+    apply2 = fs.schedule(model, fs.plan(model, fs.policy.by_type(Block), prefetch=0))
+    fs.value_and_grad(lambda p: lm_loss(apply2(p, batch, buffers=buffers), batch))(sharded)
+    out["plan"] = len(_schedule._STATIC) == 5
+    # bounded
+    size, _schedule._STATIC_SIZE = _schedule._STATIC_SIZE, 2
+    try:
+        last = next(reversed(sharded))
+        fs.value_and_grad(loss)(
+            {k: v.detach().requires_grad_(k != last) for k, v in sharded.items()}
+        )
+        out["bounded"] = len(_schedule._STATIC) == 2
+    finally:
+        _schedule._STATIC_SIZE = size
+    return out
+
+
+def test_per_structure_cache(world2):
+    for r in world2.run(per_structure_cache):
+        assert all(r.values()), r
+
+
+def dtensor_and_shard_gradients_add():
+    """A DTensor used both through schedule (its local shard is differentiated directly) and by
+    DTensor code in the loss gets the sum of both gradients, as before."""
+    rank = dist.get_rank()
+    model, sharded, buffers, plan = _setup()
+    batch = tokens(rank)
+    apply = fs.schedule(model, plan)
+    name = next(iter(sharded))
+
+    def loss(p, extra):
+        value = lm_loss(apply(p, batch, buffers=buffers), batch)
+        return value + extra * (p[name] * p[name]).sum().full_tensor()
+
+    _, g0 = fs.value_and_grad(loss)(sharded, 0.0)
+    _, g1 = fs.value_and_grad(loss)(sharded, 0.5)
+    want = g0[name].to_local() + sharded[name].to_local().detach()
+    return {
+        "sum": torch.allclose(g1[name].to_local(), want, atol=1e-6),
+        "dtensor": type(g1[name]).__name__ == "DTensor"
+        and g1[name].placements == g0[name].placements,
+    }
+
+
+def test_dtensor_and_shard_gradients_add(world2):
+    for r in world2.run(dtensor_and_shard_gradients_add):
+        assert all(r.values()), r
