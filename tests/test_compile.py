@@ -85,31 +85,42 @@ def _recording(graphs: list):
 # ---- a whole training step ---------------------------------------------------------------------
 
 
-def whole_step():
-    """value_and_grad over unshard + fs.optim.step (AdamW), fullgraph: equal to eager for new
-    data every step, compiled once; the shards are inputs (an in-place change is seen)."""
-    model, sharded, buffers = _setup()
-    opt = fs.optim.adamw(1e-2, weight_decay=0.1)
-
-    def loss_fn(p, x, y):
-        return F.mse_loss(fs.functional_call(model, (fs.unshard(p), buffers), (x,)), y)
-
-    vg = fs.value_and_grad(loss_fn)
+def _donated_step(model, buffers, opt):
+    """A whole training step: value_and_grad over unshard, then the donated fs.optim.step."""
+    vg = fs.value_and_grad(
+        lambda p, x, y: F.mse_loss(fs.functional_call(model, (fs.unshard(p), buffers), (x,)), y)
+    )
 
     def step(params, state, x, y):
         loss, grads = vg(params, x, y)
         params, state = fs.optim.step(opt, params, grads, state)
         return loss, params, state
 
-    counter = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    return step
+
+
+def _train_side_by_side(step, compiled, opt, sharded, steps: int):
+    """``steps`` steps of ``step`` eagerly and ``compiled`` on copies of ``sharded``, equal at
+    every step; the final (eager, compiled) params and states."""
     eager_p, comp_p = _copy(sharded), _copy(sharded)
     eager_s, comp_s = opt.init(eager_p), opt.init(comp_p)
-    for i in range(3):
+    for i in range(steps):
         x, y = _batch(i)
         eager_loss, eager_p, eager_s = step(eager_p, eager_s, x, y)
         comp_loss, comp_p, comp_s = compiled(comp_p, comp_s, x, y)
         fs.testing.assert_close((comp_loss, comp_p), (eager_loss, eager_p), **TOL)
+    return (eager_p, eager_s), (comp_p, comp_s)
+
+
+def whole_step():
+    """value_and_grad over unshard + fs.optim.step (AdamW), fullgraph: equal to eager for new
+    data every step, compiled once; the shards are inputs (an in-place change is seen)."""
+    model, sharded, buffers = _setup()
+    opt = fs.optim.adamw(1e-2, weight_decay=0.1)
+    step = _donated_step(model, buffers, opt)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    (eager_p, eager_s), (comp_p, comp_s) = _train_side_by_side(step, compiled, opt, sharded, 3)
     assert int(comp_s.count) == 3
     with torch.no_grad():  # the graph reads the shards it is given, not copies of old ones
         for p in (*eager_p.values(), *comp_p.values()):
@@ -167,25 +178,12 @@ def scheduled_step(kind: str, steps: int = 6):
         opt = fs.optim.sgd(lr, momentum=0.9, weight_decay=0.01)
     else:  # a schedule of the user's own, written with torch ops
         opt = fs.optim.sgd(lambda t: 0.05 * 0.5 ** (torch.as_tensor(t) / 2), momentum=0.9)
-    vg = fs.value_and_grad(
-        lambda p, x, y: F.mse_loss(fs.functional_call(model, (fs.unshard(p), buffers), (x,)), y)
-    )
-
-    def step(params, state, x, y):
-        loss, grads = vg(params, x, y)
-        params, state = fs.optim.step(opt, params, grads, state)
-        return loss, params, state
-
+    step = _donated_step(model, buffers, opt)
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(step, backend=counter, fullgraph=True)
-    eager_p, comp_p = _copy(sharded), _copy(sharded)
-    eager_s, comp_s = opt.init(eager_p), opt.init(comp_p)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        for i in range(steps):  # lr: 0, 0.025, 0.05 (peak), then decaying to 0 at step 5
-            x, y = _batch(i)
-            eager_loss, eager_p, eager_s = step(eager_p, eager_s, x, y)
-            comp_loss, comp_p, comp_s = compiled(comp_p, comp_s, x, y)
-            fs.testing.assert_close((comp_loss, comp_p), (eager_loss, eager_p), **TOL)
+        # lr: 0, 0.025, 0.05 (peak), then decaying to 0 at step 5
+        _, (comp_p, comp_s) = _train_side_by_side(step, compiled, opt, sharded, steps)
     moved = any(not torch.equal(comp_p[k], sharded[k]) for k in sharded)
     return counter.frame_count, int(comp_s.count), moved
 
@@ -413,23 +411,9 @@ def inductor_step():
     """A whole step compiled by inductor (C++ kernels), on the smallest model."""
     model, sharded, buffers = _setup()
     opt = fs.optim.sgd(0.1)
-    vg = fs.value_and_grad(
-        lambda p, x, y: F.mse_loss(fs.functional_call(model, (fs.unshard(p), buffers), (x,)), y)
-    )
-
-    def step(params, state, x, y):
-        loss, grads = vg(params, x, y)
-        params, state = fs.optim.step(opt, params, grads, state)
-        return loss, params, state
-
+    step = _donated_step(model, buffers, opt)
     compiled = torch.compile(step, backend="inductor", fullgraph=True)
-    eager_p, comp_p = _copy(sharded), _copy(sharded)
-    eager_s, comp_s = opt.init(eager_p), opt.init(comp_p)
-    for i in range(2):
-        x, y = _batch(i)
-        eager_loss, eager_p, eager_s = step(eager_p, eager_s, x, y)
-        comp_loss, comp_p, comp_s = compiled(comp_p, comp_s, x, y)
-        fs.testing.assert_close((comp_loss, comp_p), (eager_loss, eager_p), **TOL)
+    _train_side_by_side(step, compiled, opt, sharded, 2)
 
 
 def test_inductor(world2):
