@@ -97,6 +97,8 @@ def run(ctx: harness.Context) -> dict[str, Any]:
     for label in LABELS:
         variant = VARIANTS[LABELS[label]]
         trainer, rows[label] = first_call(ctx, w, variant, options, w.batch(0, ctx.rank))
+        if ctx.rank == 0:  # progress: compiling takes minutes
+            print(f"[bench] compile: {label}: {rows[label]}", flush=True)
         if trainer is not None:
             trainers[label] = trainer
     if BASELINE in trainers:

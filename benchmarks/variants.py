@@ -8,8 +8,9 @@ with ``fs.policy.by_type`` of the same types) and the same optimizer arithmetic 
 ``torch.optim.AdamW`` vs the donated ``fs.optim.step`` of ``fs.optim.adamw``, both with torch's
 default kernel choice). Adding a variant is one function here and one line in ``VARIANTS``.
 
-The compiled variants (part ``compile``, issue 9) use inductor, the default backend, through a
-``CompileCounterWithBackend`` kept in ``Trainer.counter`` (graphs and recompilations): FSDP2 +
+The compiled variants (part ``compile``, issue 9) compile with ``Options.compile_backend``
+(inductor, the default) through a ``CompileCounterWithBackend`` kept in ``Trainer.counter``
+(graphs and recompilations): FSDP2 +
 ``torch.compile(model)``, its optimizer step eager; funcshard's whole training step
 (``fs.value_and_grad`` + ``fs.optim.step``, constant learning rate) under
 ``torch.compile(fullgraph=True)``, over ``fs.schedule``'s ``apply`` or over ``fs.unshard`` of
