@@ -83,7 +83,7 @@ def _local(t: Any) -> Any:
 
 def fsdp2(w: Workload, mesh: DeviceMesh, o: Options, *, compiled: bool = False) -> Trainer:
     """``fully_shard`` on every group module and the root; ``torch.optim.AdamW``. ``compiled``:
-    the forward runs ``torch.compile(model)`` (inductor; FSDP2's hooks run between graphs)."""
+    the forward runs ``torch.compile(model)`` (``o.compile_backend``), the optimizer eager."""
     model = w.build()
     mp = MixedPrecisionPolicy(param_dtype=o.param_dtype, reduce_dtype=o.reduce_dtype)
     kw = dict(mesh=mesh, reshard_after_forward=o.reshard_after_forward, mp_policy=mp)
