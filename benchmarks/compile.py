@@ -63,27 +63,39 @@ def first_call(
     ctx: harness.Context, w: Workload, variant: Variant, options: Options, batch
 ) -> tuple[Trainer | None, dict[str, Any]]:
     """Build the variant and run its first step (compilation); the slowest rank's seconds. A
-    failure on any rank drops the variant on every rank (they stay in step)."""
+    failure on any rank drops the variant on every rank: the ranks agree after building and
+    after the first step, so they stay in step (a rank failing in the middle of a collective
+    still leaves the others waiting, as in any distributed job)."""
     trainer, row = None, {}
     try:
         trainer = variant(w, ctx.mesh, options)
-        dist.barrier()
-        t0 = time.perf_counter()
-        with _cold_caches():
-            trainer.step(batch)
-        harness.sync(ctx.device)
-        row["first_call_s"] = time.perf_counter() - t0
     except Exception as e:  # reported in the results, never fatal to the suite
         row["error"] = _error(e)
-    everyone: list[dict[str, Any]] = [None] * ctx.world  # type: ignore[list-item]
-    dist.all_gather_object(everyone, row)
-    errors = [r["error"] for r in everyone if "error" in r]
-    if errors:
-        return None, {"error": errors[0]}
+    everyone = _agree(ctx, row)
+    if "error" not in everyone[0]:
+        try:
+            dist.barrier()
+            t0 = time.perf_counter()
+            with _cold_caches():
+                trainer.step(batch)
+            harness.sync(ctx.device)
+            row["first_call_s"] = time.perf_counter() - t0
+        except Exception as e:
+            row["error"] = _error(e)
+        everyone = _agree(ctx, row)
+    if "error" in everyone[0]:
+        return None, {"error": everyone[0]["error"]}
     row["first_call_s"] = max(r["first_call_s"] for r in everyone)
     if trainer.counter is not None:
         row["graphs"] = trainer.counter.frame_count
     return trainer, row
+
+
+def _agree(ctx: harness.Context, row: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's ``row``, the failed ones first (collective)."""
+    everyone: list[dict[str, Any]] = [None] * ctx.world  # type: ignore[list-item]
+    dist.all_gather_object(everyone, row)
+    return sorted(everyone, key=lambda r: "error" not in r)
 
 
 def run(ctx: harness.Context) -> dict[str, Any]:
