@@ -1,184 +1,142 @@
-"""funcshard compiled vs eager, and FSDP2 eager vs FSDP2 + torch.compile, on the same model and
-data, side by side in one run: step time, peak memory, compile time and recompilations of a
-training step (forward + backward), reported as ratios to FSDP2 eager.
+"""Part ``compile`` (issue 9): FSDP2 eager, FSDP2 + ``torch.compile(model)``, funcshard eager,
+funcshard's whole training step compiled over ``fs.schedule`` and over ``fs.unshard`` -- the
+same training step (forward, backward, AdamW) of the same model on the same data, inductor (the
+default backend; on CPU it compiles C++; ``--quick``: ``aot_eager``, which generates no code). See
+``variants.py`` for what each compiles.
 
-    torchrun --standalone --nproc-per-node 2 benchmarks/compile.py [--layers 4 --width 256]
-
-funcshard's compiled variants are ``torch.compile(fs.value_and_grad(loss), fullgraph=True)``
-with the default (inductor) backend, over ``fs.schedule`` (one block gathered at a time,
-prefetch 1, reshard after forward) and over ``fs.unshard`` of the whole tree. FSDP2 + compile
-is ``torch.compile`` of the ``fully_shard`` model (its hooks run eagerly between graphs, as
-FSDP2 does under Dynamo). Compile time is the first call's; recompilations are counted after
-it. Steps are interleaved so that machine noise hits all variants alike; times are medians.
-Peak memory comes from the allocator's events during a step (the median of three; see
-``benchmarks/step.py``).
-Nothing is asserted: the numbers are for people.
+Per variant: the first call's time (for the compiled ones, compilation: Dynamo, AOTAutograd and
+inductor, with cold caches -- a fresh inductor cache directory per variant, see
+``_cold_caches``), the graphs it compiled and the recompilations after it (Dynamo frames counted
+by ``CompileCounterWithBackend("inductor")``), then the step time as part ``step`` measures it
+(alternating, medians, ratios to FSDP2 eager; [Note: fair timing] in ``harness``), and the peak
+memory per rank as part ``memory`` accounts it ([Note: memory categories]: the allocator's
+events of a whole step; the step with the median peak of three). A variant that fails (at
+construction or in its first call, on any rank) is recorded with its error and left out of the
+rest.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import statistics
-import sys
+import contextlib
+import gc
 import time
-import warnings
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch._dynamo.testing import CompileCounterWithBackend
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
-import funcshard as fs
-from funcshard._profiling import peak_bytes
+from . import harness, memory, step_time
+from .variants import VARIANTS, Options, Trainer, Variant
+from .workloads import Workload, describe, transformer
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-from _data import batch  # synthetic tokens
-from train_lm import LM, Block  # the main job's model
-
-
-def lm_loss(logits, tokens):
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+BASELINE = "FSDP2"
+LABELS = {  # label -> name in VARIANTS
+    BASELINE: "fsdp2",
+    "FSDP2 + torch.compile(model)": "fsdp2 + compile",
+    "funcshard": "funcshard",
+    "funcshard, whole step compiled": "funcshard + compile",
+    "funcshard over fs.unshard, whole step compiled": "funcshard.unshard + compile",
+}
 
 
-def build(args) -> LM:
-    torch.manual_seed(0)
-    return LM(args.vocab, args.width, 4, args.layers, args.seq)
+def workload(quick: bool) -> Workload:
+    """The main job's transformer; ``quick``: the tiny one, so compilation stays short."""
+    return transformer(quick)
 
 
-def fsdp2_variants(args, mesh) -> dict:
-    model = build(args)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    counter = CompileCounterWithBackend("inductor")
-    compiled = torch.compile(model, backend=counter)
-
-    def step(net):
-        def run(tokens):
-            loss = lm_loss(net(tokens), tokens)
-            loss.backward()
-            for p in model.parameters():
-                p.grad = None
-            return loss
-
-        return run
-
-    return {"fsdp2": (step(model), None), "fsdp2 + compile": (step(compiled), counter)}
+def _cold_caches():
+    """A fresh, empty inductor cache (on-disk and in-memory) for one variant's compilation, so
+    that no variant reuses kernels or graphs another one (or an earlier run) compiled."""
+    try:
+        from torch._inductor.utils import fresh_cache
+    except ImportError:  # pragma: no cover - other torch versions
+        return contextlib.nullcontext()
+    return fresh_cache()
 
 
-def funcshard_variants(args, mesh) -> dict:
-    model = build(args)
-    params, buffers = fs.extract(model)
-    sharded = fs.shard(params, mesh)
-    plan = fs.plan(model, fs.policy.by_type(Block), prefetch=1, backward_prefetch=1)
-    model.to("meta")
-    apply = fs.schedule(model, plan)
-
-    def scheduled(p, tokens):
-        return lm_loss(apply(p, tokens, buffers=buffers), tokens)
-
-    def whole(p, tokens):
-        return lm_loss(fs.functional_call(model, (fs.unshard(p), buffers), (tokens,)), tokens)
-
-    out = {}
-    for name, loss_fn in (("funcshard.schedule", scheduled), ("funcshard.unshard", whole)):
-        vg = fs.value_and_grad(loss_fn)
-        counter = CompileCounterWithBackend("inductor")
-        compiled = torch.compile(vg, backend=counter, fullgraph=True)
-        out[name] = (lambda tokens, vg=vg: vg(sharded, tokens)[0], None)
-        out[f"{name} + compile"] = (lambda tokens, c=compiled: c(sharded, tokens)[0], counter)
-    return out
+def _error(e: BaseException) -> str:
+    lines = str(e).strip().splitlines() or [""]
+    return f"{type(e).__name__}: {lines[0][:300]}"
 
 
-def main() -> None:
-    warnings.filterwarnings("ignore", message=".*(returned a view tensor|Full backward hook).*")
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--vocab", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--no-fsdp2-compile", action="store_true", help="skip FSDP2 + compile")
-    ap.add_argument("--json", help="also write the results here (rank 0)")
-    args = ap.parse_args()
-
-    mesh = init_device_mesh("cpu", (int(os.environ.get("WORLD_SIZE", "2")),))
-    rank = dist.get_rank()
-    steps = {**fsdp2_variants(args, mesh), **funcshard_variants(args, mesh)}
-    if args.no_fsdp2_compile:
-        del steps["fsdp2 + compile"]
-    data = [batch(i, rank, args.batch, args.seq, args.vocab) for i in range(args.steps)]
-    results: dict[str, dict] = {name: {} for name in steps}
-    for name, (step, counter) in steps.items():  # first calls: compilation
-        dist.barrier()
-        t0 = time.perf_counter()
+def first_call(
+    ctx: harness.Context, w: Workload, variant: Variant, options: Options, batch
+) -> tuple[Trainer | None, dict[str, Any]]:
+    """Build the variant and run its first step (compilation); the slowest rank's seconds. A
+    failure on any rank drops the variant on every rank: the ranks agree after building and
+    after the first step, so they stay in step (a rank failing in the middle of a collective
+    still leaves the others waiting, as in any distributed job)."""
+    trainer, row = None, {}
+    try:
+        trainer = variant(w, ctx.mesh, options)
+    except Exception as e:  # reported in the results, never fatal to the suite
+        row["error"] = _error(e)
+    everyone = _agree(ctx, row)
+    if "error" not in everyone[0]:
         try:
-            step(data[0])
-        except Exception as e:  # report, and leave the variant out
-            results[name]["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            continue
-        results[name]["compile_s"] = time.perf_counter() - t0 if counter else None
-        results[name]["frames"] = counter.frame_count if counter else None
-    ok = {n: s for n, s in steps.items() if "error" not in results[n]}
-    times: dict[str, list[float]] = {name: [] for name in ok}
-    for i in range(args.warmup + args.steps):
-        for name, (step, _) in ok.items():
             dist.barrier()
             t0 = time.perf_counter()
-            step(data[i % args.steps])
-            if i >= args.warmup:
-                times[name].append(time.perf_counter() - t0)
-    for name, (step, counter) in ok.items():
-        own, peak = [], []
-        for _ in range(3):  # the peak moves with when gloo's threads free: take the median
-            dist.barrier()
-            own.append(peak_bytes(lambda step=step: step(data[0]), this_thread=True)[0])
-            dist.barrier()
-            peak.append(peak_bytes(lambda step=step: step(data[0]))[0])
-        results[name].update(
-            step_ms=statistics.median(times[name]) * 1e3,
-            peak_mib=statistics.median(own) / 2**20,
-            peak_all_threads_mib=statistics.median(peak) / 2**20,
-            recompiles=counter.frame_count - results[name]["frames"] if counter else None,
-        )
-    if rank == 0:
-        report(args, mesh, results)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"args": vars(args), "results": results}, f, indent=1)
-    dist.destroy_process_group()
+            with _cold_caches():
+                trainer.step(batch)
+            harness.sync(ctx.device)
+            row["first_call_s"] = time.perf_counter() - t0
+        except Exception as e:
+            row["error"] = _error(e)
+        everyone = _agree(ctx, row)
+    if "error" in everyone[0]:
+        return None, {"error": everyone[0]["error"]}
+    row["first_call_s"] = max(r["first_call_s"] for r in everyone)
+    if trainer.counter is not None:
+        row["graphs"] = trainer.counter.frame_count
+    return trainer, row
 
 
-def report(args, mesh, results: dict) -> None:
-    base = results["fsdp2"]
-    print(
-        f"{args.layers} layers x {args.width} wide, batch {args.batch}x{args.seq}, "
-        f"{mesh.size()} ranks, fp32, inductor; medians of {args.steps} forward+backward steps"
-    )
-    cols = ("step_ms", "peak_mib", "peak_all_threads_mib")
-    print(
-        f"{'':28s} {'step ms':>8s} {'x fsdp2':>8s} {'peak MiB':>9s} {'x fsdp2':>8s} "
-        f"{'all thr.':>9s} {'x fsdp2':>8s} {'compile s':>10s} {'graphs':>7s} {'recompiles':>10s}"
-    )
-    for name, r in results.items():
-        if "error" in r:
-            print(f"{name:28s} failed: {r['error']}")
-            continue
-        ratio = {k: r[k] / base[k] for k in cols}
-        compiled = r["compile_s"] is not None
-        print(
-            f"{name:28s} {r['step_ms']:8.1f} {ratio['step_ms']:8.2f} "
-            f"{r['peak_mib']:9.1f} {ratio['peak_mib']:8.2f} "
-            f"{r['peak_all_threads_mib']:9.1f} {ratio['peak_all_threads_mib']:8.2f} "
-            + (f"{r['compile_s']:10.1f} {r['frames']:7d} {r['recompiles']:10d}" if compiled else "")
-        )
+def _agree(ctx: harness.Context, row: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's ``row``, the failed ones first (collective)."""
+    everyone: list[dict[str, Any]] = [None] * ctx.world  # type: ignore[list-item]
+    dist.all_gather_object(everyone, row)
+    return sorted(everyone, key=lambda r: "error" not in r)
 
 
-if __name__ == "__main__":
-    main()
+def run(ctx: harness.Context) -> dict[str, Any]:
+    w = workload(ctx.quick).to(ctx.device)
+    # --quick: aot_eager (Dynamo and AOTAutograd, no code generation) keeps it under a minute;
+    # inductor's C++ compilation takes minutes per variant on 2 cores
+    options = Options(compile_backend="aot_eager" if ctx.quick else "inductor")
+    steps = 1 if ctx.quick else 3  # memory: accounted steps per variant
+    rows: dict[str, dict[str, Any]] = {}
+    trainers: dict[str, Trainer] = {}
+    for label in LABELS:
+        variant = VARIANTS[LABELS[label]]
+        trainer, rows[label] = first_call(ctx, w, variant, options, w.batch(0, ctx.rank))
+        if ctx.rank == 0:  # progress: compiling takes minutes
+            print(f"[bench] compile: {label}: {rows[label]}", flush=True)
+        if trainer is not None:
+            trainers[label] = trainer
+    if BASELINE in trainers:
+        for label, r in step_time.time_trainers(ctx, w, trainers).items():
+            rows[label].update(r)
+        base = None
+        for label, trainer in trainers.items():
+            acc = memory.median_step(trainer, w, ctx, steps)
+            base = base or acc
+            rows[label].update(
+                peak_all=acc["peak_all"],
+                peak_own=acc["peak_own"],
+                peak_all_range=acc["peak_all_range"],
+                peak_ratio=acc["peak_all"] / base["peak_all"],
+                peak_own_ratio=acc["peak_own"] / base["peak_own"],
+            )
+            if trainer.counter is not None:
+                rows[label]["recompiles"] = trainer.counter.frame_count - rows[label]["graphs"]
+    trainers.clear()
+    gc.collect()
+    torch._dynamo.reset()  # drop the compiled code (and its guards) before the next part
+    return {
+        "workload": describe(w),
+        "backend": options.compile_backend,
+        "param_dtype": harness.dtype_name(options.param_dtype),
+        "memory_steps": steps,
+        "baseline": BASELINE,
+        "rows": rows,
+    }

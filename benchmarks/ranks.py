@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from . import comms, harness, memory, overhead, step_time, timeline
+from . import compile as compiled
 
 PARTS = {
     "step": step_time.run,
@@ -25,6 +26,7 @@ PARTS = {
     "comms": comms.run,
     "overhead": overhead.run,
     "timeline": timeline.run,
+    "compile": compiled.run,
 }
 
 

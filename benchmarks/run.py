@@ -1,6 +1,6 @@
 """The benchmark suite's driver: ``make bench`` (= ``python -m benchmarks.run``).
 
-    python -m benchmarks.run [--quick] [--only step,memory,comms,overhead,timeline,scale]
+    python -m benchmarks.run [--quick] [--only step,memory,comms,overhead,timeline,compile,scale]
                              [--device cpu|cuda] [--ranks 2,4] [--out DIR] [--no-report]
 
 Parts that need ranks run under ``torchrun`` (one launch per world size, all its parts in
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from . import harness
 
-RANK_PARTS = ("step", "memory", "comms", "overhead", "timeline")
+RANK_PARTS = ("step", "memory", "comms", "overhead", "timeline", "compile")
 LOCAL_PARTS = ("scale", "overhead")
 EVERY_WORLD = ("step", "comms")  # the others run on the smallest world size only
 

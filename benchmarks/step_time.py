@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from . import harness
-from .variants import VARIANTS, Options
+from .variants import VARIANTS, Options, Trainer
 from .workloads import describe, transformer
 
 CONFIGS = [
@@ -29,6 +29,15 @@ def compare(ctx: harness.Context, workload, options: Options, variants=None) -> 
     if variants is None:
         variants = {name: (VARIANTS[name], options) for name in ("fsdp2", "funcshard")}
     trainers = {label: fn(workload, ctx.mesh, o) for label, (fn, o) in variants.items()}
+    result = time_trainers(ctx, workload, trainers)
+    trainers.clear()  # free both models before the next comparison
+    gc.collect()
+    return result
+
+
+def time_trainers(ctx: harness.Context, workload, trainers: dict[str, Trainer]) -> dict[str, Any]:
+    """Time the training steps of ``trainers`` (see [Note: fair timing]); ratios and loss gaps
+    to the first one."""
     batches = [workload.batch(i, ctx.rank) for i in range(ctx.warmup + ctx.rounds)]
     losses: dict[str, list[float]] = {label: [] for label in trainers}
 
@@ -51,8 +60,6 @@ def compare(ctx: harness.Context, workload, options: Options, variants=None) -> 
             abs(a - b) / max(abs(b), 1e-12)
             for a, b in zip(losses[label], losses[base], strict=True)
         )
-    trainers.clear()  # free both models before the next comparison
-    gc.collect()
     return result
 
 

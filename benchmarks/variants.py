@@ -6,8 +6,15 @@ memory accounting needs. Both frameworks get the same model, the same grouping (
 ``fully_shard`` on every module of ``workload.group_types``, then the root; funcshard: a plan
 with ``fs.policy.by_type`` of the same types) and the same optimizer arithmetic (AdamW:
 ``torch.optim.AdamW`` vs the donated ``fs.optim.step`` of ``fs.optim.adamw``, both with torch's
-default kernel choice). Adding a variant (e.g. issue 9's compiled ones) is one function here and
-one line in ``VARIANTS``.
+default kernel choice). Adding a variant is one function here and one line in ``VARIANTS``.
+
+The compiled variants (part ``compile``, issue 9) compile with ``Options.compile_backend``
+(inductor, the default) through a ``CompileCounterWithBackend`` kept in ``Trainer.counter``
+(graphs and recompilations): FSDP2 +
+``torch.compile(model)``, its optimizer step eager; funcshard's whole training step
+(``fs.value_and_grad`` + ``fs.optim.step``, constant learning rate) under
+``torch.compile(fullgraph=True)``, over ``fs.schedule``'s ``apply`` or over ``fs.unshard`` of
+the whole tree (docs/compile.md, "The recommended pattern").
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -42,6 +50,7 @@ class Options:
     module_groups: tuple[tuple[str, ...], ...] | None = None  # FSDP2: fully_shard these lists
     lr: float = 1e-3
     weight_decay: float = 0.1
+    compile_backend: str = "inductor"  # the compiled variants' (``--quick``: aot_eager)
 
     @property
     def reduce_dtype(self) -> torch.dtype | None:
@@ -60,6 +69,7 @@ class Trainer:
     gradients: Callable[[], list[torch.Tensor]]
     optimizer_state: Callable[[], list[torch.Tensor]]
     plan: fs.Plan | None = None
+    counter: Any = None  # compiled variants: their CompileCounterWithBackend
 
     def step(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         loss = self.forward_backward(batch)
@@ -71,8 +81,9 @@ def _local(t: Any) -> Any:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def fsdp2(w: Workload, mesh: DeviceMesh, o: Options) -> Trainer:
-    """``fully_shard`` on every group module and the root; ``torch.optim.AdamW``."""
+def fsdp2(w: Workload, mesh: DeviceMesh, o: Options, *, compiled: bool = False) -> Trainer:
+    """``fully_shard`` on every group module and the root; ``torch.optim.AdamW``. ``compiled``:
+    the forward runs ``torch.compile(model)`` (``o.compile_backend``), the optimizer eager."""
     model = w.build()
     mp = MixedPrecisionPolicy(param_dtype=o.param_dtype, reduce_dtype=o.reduce_dtype)
     kw = dict(mesh=mesh, reshard_after_forward=o.reshard_after_forward, mp_policy=mp)
@@ -87,9 +98,11 @@ def fsdp2(w: Workload, mesh: DeviceMesh, o: Options) -> Trainer:
     root = None if o.reshard_after_forward else False
     fully_shard(model, **{**kw, "reshard_after_forward": root})
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+    counter = CompileCounterWithBackend(o.compile_backend) if compiled else None
+    net = torch.compile(model, backend=counter) if compiled else model
 
     def forward_backward(batch):
-        loss = w.loss(model(*batch), batch)
+        loss = w.loss(net(*batch), batch)
         loss.backward()
         return loss.detach()
 
@@ -105,23 +118,63 @@ def fsdp2(w: Workload, mesh: DeviceMesh, o: Options) -> Trainer:
         optimizer_state=lambda: [
             _local(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v)
         ],
+        counter=counter,
     )
 
 
-def funcshard(w: Workload, mesh: DeviceMesh, o: Options) -> Trainer:
-    """``fs.schedule`` with the same grouping; ``fs.optim.step`` of ``fs.optim.adamw``."""
+def fsdp2_compiled(w: Workload, mesh: DeviceMesh, o: Options) -> Trainer:
+    return fsdp2(w, mesh, o, compiled=True)
+
+
+def funcshard(
+    w: Workload, mesh: DeviceMesh, o: Options, *, compiled: bool = False, unshard: bool = False
+) -> Trainer:
+    """``fs.schedule`` with the same grouping; ``fs.optim.step`` of ``fs.optim.adamw``.
+    ``unshard``: the loss runs the model on ``fs.unshard`` of the whole tree instead (no plan);
+    ``compiled``: the whole step is ``torch.compile(train_step, fullgraph=True)`` (inductor),
+    ``forward_backward`` runs all of it and ``optimizer_step`` nothing."""
     model = w.build()
     params, buffers = fs.extract(model)
     sharded = fs.shard(params, mesh)
-    plan = plan_for(w, model, o)
+    plan = None if unshard else plan_for(w, model, o)
     model.to("meta")
     del params
-    apply = fs.schedule(model, plan, param_dtype=o.param_dtype, reduce_dtype=o.reduce_dtype)
     opt = fs.optim.adamw(o.lr, weight_decay=o.weight_decay)
     box: dict[str, Any] = {"params": sharded, "state": opt.init(sharded), "grads": None}
+    if unshard:
 
-    def loss_fn(p, batch):
-        return w.loss(apply(p, *batch, buffers=buffers), batch)
+        def loss_fn(p, batch):
+            full = fs.unshard(p, param_dtype=o.param_dtype, reduce_dtype=o.reduce_dtype)
+            return w.loss(fs.functional_call(model, (full, buffers), batch), batch)
+
+    else:
+        apply = fs.schedule(model, plan, param_dtype=o.param_dtype, reduce_dtype=o.reduce_dtype)
+
+        def loss_fn(p, batch):
+            return w.loss(apply(p, *batch, buffers=buffers), batch)
+
+    leaves = lambda tree: [_local(t) for t in torch.utils._pytree.tree_leaves(tree)]
+    trees = dict(
+        parameters=lambda: leaves(box["params"]),
+        gradients=lambda: [g for g in leaves(box["grads"]) if g is not None],
+        optimizer_state=lambda: [t for t in leaves(box["state"]) if torch.is_tensor(t)],
+    )
+    if compiled:
+        vg = fs.value_and_grad(loss_fn)  # made once, outside the compiled function
+
+        def train_step(params, state, batch):
+            loss, grads = vg(params, batch)
+            params, state = fs.optim.step(opt, params, grads, state)
+            return loss, params, state
+
+        counter = CompileCounterWithBackend(o.compile_backend)
+        step = torch.compile(train_step, backend=counter, fullgraph=True)
+
+        def whole_step(batch):
+            loss, box["params"], box["state"] = step(box["params"], box["state"], batch)
+            return loss.detach()
+
+        return Trainer(whole_step, lambda: None, **trees, plan=plan, counter=counter)
 
     def forward_backward(batch):
         loss, box["grads"] = fs.value_and_grad(loss_fn)(box["params"], batch)
@@ -131,15 +184,15 @@ def funcshard(w: Workload, mesh: DeviceMesh, o: Options) -> Trainer:
         box["params"], box["state"] = fs.optim.step(opt, box["params"], box["grads"], box["state"])
         box["grads"] = None
 
-    leaves = lambda tree: [_local(t) for t in torch.utils._pytree.tree_leaves(tree)]
-    return Trainer(
-        forward_backward,
-        optimizer_step,
-        parameters=lambda: leaves(box["params"]),
-        gradients=lambda: [g for g in leaves(box["grads"]) if g is not None],
-        optimizer_state=lambda: [t for t in leaves(box["state"]) if torch.is_tensor(t)],
-        plan=plan,
-    )
+    return Trainer(forward_backward, optimizer_step, **trees, plan=plan)
+
+
+def funcshard_compiled(w: Workload, mesh: DeviceMesh, o: Options) -> Trainer:
+    return funcshard(w, mesh, o, compiled=True)
+
+
+def funcshard_unshard_compiled(w: Workload, mesh: DeviceMesh, o: Options) -> Trainer:
+    return funcshard(w, mesh, o, compiled=True, unshard=True)
 
 
 def plan_for(w: Workload, model: torch.nn.Module, o: Options) -> fs.Plan:
@@ -163,4 +216,10 @@ def module_groups(plan: fs.Plan) -> tuple[tuple[str, ...], ...]:
 
 
 Variant = Callable[[Workload, DeviceMesh, Options], Trainer]
-VARIANTS: dict[str, Variant] = {"fsdp2": fsdp2, "funcshard": funcshard}
+VARIANTS: dict[str, Variant] = {
+    "fsdp2": fsdp2,
+    "funcshard": funcshard,
+    "fsdp2 + compile": fsdp2_compiled,
+    "funcshard + compile": funcshard_compiled,
+    "funcshard.unshard + compile": funcshard_unshard_compiled,
+}

@@ -13,6 +13,7 @@ from torch import nn
 
 import funcshard as fs
 from benchmarks import comms, harness, memory, overhead, report, scale, step_time, timeline
+from benchmarks import compile as compiled
 from benchmarks.memory import CATEGORIES, Event
 from benchmarks.variants import VARIANTS, Options, module_groups, plan_for
 from benchmarks.workloads import linears, transformer
@@ -141,6 +142,60 @@ def test_smoke_parts_on_two_ranks(world2):
         assert b["at_peak_all"]["optimizer state"] == pytest.approx(
             a["at_peak_all"]["optimizer state"], rel=0.01
         )
+
+
+def test_compile_report_rows_and_failures():
+    row = dict(ms=10.0, ratio=0.5, peak_all=2 * 2**20, peak_own=2**20, loss_gap=1e-7)
+    row |= dict(peak_ratio=0.9, peak_own_ratio=0.8, first_call_s=30.0, graphs=1, recompiles=0)
+    rows = {
+        "FSDP2": row | dict(ratio=1.0, first_call_s=0.1),
+        "FSDP2 + torch.compile(model)": {"error": "RuntimeError: no"},
+        "funcshard, whole step compiled": row,
+    }
+    del rows["FSDP2"]["graphs"], rows["FSDP2"]["recompiles"]
+    res = dict(workload=dict(description="tiny", parameters=10), param_dtype="fp32")
+    res |= dict(backend="inductor", memory_steps=3, baseline="FSDP2", rows=rows)
+    machine = harness.machine(torch.device("cpu"))
+    results = {"compile-2ranks": dict(result=res, world=2, rounds=10, warmup=2, machine=machine)}
+    results["compile-2ranks"]["load_average_after"] = machine["load_average"]
+    table = report.compile_section(results)
+    assert "| FSDP2 + torch.compile(model) | failed: `RuntimeError: no` |" in table
+    assert "| funcshard, whole step compiled | 10 | **0.50** | 2.0 | **0.90** |" in table
+    assert table.count("\n| ") == 2 + 3  # header, rule, a row per variant (failed ones too)
+    (summary,) = [
+        line for line in report.summary_section(results).splitlines() if "compiled" in line
+    ]
+    assert "0.50x FSDP2 eager (FSDP2 + torch.compile: failed)" in summary
+    assert next(iter(compiled.LABELS)) == compiled.BASELINE == "FSDP2"
+
+
+def compile_smoke():
+    """The compile part's first call on a tiny model (aot_eager: no code generation): the
+    compiled whole step trains as the eager one, one graph, no recompilation; a variant failing
+    on one rank is reported on both, and nothing raises."""
+    ctx = harness.Context(mesh(dist.get_world_size()), torch.device("cpu"), True, 2, 1)
+    w, o = linears(2, 8), Options(compile_backend="aot_eager")
+    batches = [w.batch(i, ctx.rank) for i in range(3)]
+    trainer, row = compiled.first_call(ctx, w, VARIANTS["funcshard + compile"], o, batches[0])
+    eager = VARIANTS["funcshard"](w, ctx.mesh, o)
+    eager.step(batches[0])
+    gap = abs(trainer.step(batches[1]).item() - eager.step(batches[1]).item())
+    row["recompiles"] = trainer.counter.frame_count - row["graphs"]
+
+    def broken(w, mesh, options):
+        if dist.get_rank() == 1:
+            raise RuntimeError("only rank 1 fails\nsecond line")
+        return VARIANTS["funcshard"](w, mesh, options)
+
+    none, failed = compiled.first_call(ctx, w, broken, o, batches[0])
+    return row, gap, none, failed
+
+
+def test_compile_part_first_call_on_two_ranks(world2):
+    for row, gap, none, failed in world2.run(compile_smoke):
+        assert row["graphs"] == 1 and row["recompiles"] == 0 and row["first_call_s"] > 0
+        assert gap < 1e-5
+        assert none is None and failed == {"error": "RuntimeError: only rank 1 fails"}
 
 
 def test_scale_and_driver_in_process(tmp_path):
