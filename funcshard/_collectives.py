@@ -220,6 +220,9 @@ def copies_reduce_scatter_input(group: dist.ProcessGroup, device_type: str) -> b
     collective is issued, on the calling thread) all-reduced in the background. An input we
     own is therefore dead once issued, and freeing it at once keeps a reduce-scatter that
     overlaps the next group's backward as lean as FSDP2's, which waits for it right away.
+    The clone itself is gloo's: it is freed only when the work is waited (not when its
+    transfer ends; ``is_completed()`` stays false until then), so it stays alive until the
+    wait node after the next group's backward -- the price of that overlap on gloo.
     ``tests/test_collectives.py`` checks this behaviour of gloo, so that a torch upgrade that
     changes it fails there and not in someone's gradients.
     """
