@@ -130,10 +130,33 @@ def _reduce_input(x: torch.Tensor, comm: Comm, donated: bool) -> tuple[torch.Ten
     is ours to free."""
     red = comm.reduce_dtype or x.dtype
     if red != x.dtype:
-        x, donated = x.to(red), True
+        cast = x.to(red)
+        if donated:
+            _free_donated(x)  # see [Note: the cast frees its source]
+        x, donated = cast, True
     if comm.mean and comm.world > 1:
         x, donated = (x.div_(comm.world), True) if donated else (x / comm.world, True)
     return x.contiguous(), donated
+
+
+def _free_donated(x: torch.Tensor) -> None:
+    """Free the storage of a donated tensor that nothing reads any more.
+
+    [Note: the cast frees its source]
+    A gradient reduced in another dtype than it was computed in (``param_dtype=bf16``,
+    ``reduce_dtype=fp32``) is cast before the reduce-scatter. The full-size gradient is donated
+    (a fresh concatenation made by autograd for this node alone), so once cast it is dead; but
+    autograd holds it as the backward's argument until the node returns, i.e. across the
+    reduce-scatter's issue -- where gloo also clones the cast input. Emptying its storage right
+    after the cast keeps one full-size gradient instead of two at that moment (FSDP2 frees its
+    unsharded gradients after the copy-in in the same way). Only the whole storage of a plain
+    tensor is freed: never under ``torch.compile`` (no storage) or ``torch.func`` (wrappers).
+    """
+    if compiling() or torch._C._functorch.peek_interpreter_stack() is not None:
+        return
+    storage = x.untyped_storage()
+    if storage.nbytes() == x.numel() * x.element_size() and x.is_contiguous():
+        storage.resize_(0)
 
 
 def _pending_or_waited(y: torch.Tensor, comm: Comm, donated: torch.Tensor | None):
@@ -197,6 +220,9 @@ def copies_reduce_scatter_input(group: dist.ProcessGroup, device_type: str) -> b
     collective is issued, on the calling thread) all-reduced in the background. An input we
     own is therefore dead once issued, and freeing it at once keeps a reduce-scatter that
     overlaps the next group's backward as lean as FSDP2's, which waits for it right away.
+    The clone itself is gloo's: it is freed only when the work is waited (not when its
+    transfer ends; ``is_completed()`` stays false until then), so it stays alive until the
+    wait node after the next group's backward -- the price of that overlap on gloo.
     ``tests/test_collectives.py`` checks this behaviour of gloo, so that a torch upgrade that
     changes it fails there and not in someone's gradients.
     """
