@@ -64,9 +64,9 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from ._compile import compiling, issued, waits_for
+from ._profiling import span
 
 _ops = torch.ops._c10d_functional
 
@@ -189,7 +189,7 @@ def _split_pieces(flat: torch.Tensor, shapes, dim: int) -> list[torch.Tensor]:
 def _all_gather(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """Gather ``x`` along ``comm.dim`` (synchronously unless ``dim == 0`` and async)."""
     x = wait(x).to(comm.gather_dtype or x.dtype)
-    with record_function(f"funcshard::all_gather ({comm.label})"):
+    with span("all_gather", comm.label):
         y = issued(_ops.all_gather_into_tensor(x.contiguous(), comm.world, comm.group.group_name))
     if comm.dim == 0:
         return _pending_or_waited(y, comm, None)
@@ -202,7 +202,7 @@ def _reduce_scatter(x, comm: Comm, out_dtype: torch.dtype, donated: bool) -> tor
     d, w = comm.dim, comm.world
     if d != 0:  # [A, W*c, B] -> [W*A, c, B]: rank r's chunk is contiguous, returns as [A, c, B]
         x = x.unflatten(d, (w, x.shape[d] // w)).movedim(d, 0).flatten(0, 1).contiguous()
-    with record_function(f"funcshard::reduce_scatter ({comm.label})"):
+    with span("reduce_scatter", comm.label):
         y = issued(_ops.reduce_scatter_tensor(x, "sum", w, comm.group.group_name))
     if d == 0 and comm.async_op and y.dtype == out_dtype:
         if ours and copies_reduce_scatter_input(comm.group, x.device.type):
@@ -236,7 +236,7 @@ def copies_reduce_scatter_input(group: dist.ProcessGroup, device_type: str) -> b
 def _all_reduce(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     x = wait(x)
     y, _ = _reduce_input(x, comm, False)
-    with record_function(f"funcshard::all_reduce ({comm.label})"):
+    with span("all_reduce", comm.label):
         y = issued(_ops.all_reduce(y, "sum", comm.group.group_name))
     if comm.async_op and y.dtype == x.dtype and y.numel():
         return y
@@ -269,7 +269,7 @@ def start_all_gather(comm: Comm, pieces) -> Started:
     (see [Note: collectives under torch.compile])."""
     if compiling():
         flat = _flat_pieces([p.detach() for p in pieces], 0, comm.gather_dtype or pieces[0].dtype)
-        with record_function(f"funcshard::all_gather ({comm.label})"):
+        with span("all_gather", comm.label):
             y = _ops.all_gather_into_tensor(flat, comm.world, comm.group.group_name)
         return Started(issued(y), None)
     numels = [p.numel() for p in pieces]
@@ -279,7 +279,7 @@ def start_all_gather(comm: Comm, pieces) -> Started:
     slot = output.narrow(0, dist.get_rank(comm.group) * size, size)
     with torch.no_grad():
         torch._foreach_copy_(list(slot.split(numels)), [p.detach().reshape(-1) for p in pieces])
-    with record_function(f"funcshard::all_gather ({comm.label})"):
+    with span("all_gather", comm.label):
         work = dist.all_gather_single(output, slot, group=comm.group, async_op=True)
     return Started(output, work)
 
@@ -509,11 +509,11 @@ class Notify(_Function):
 def waiting(label: str):
     """A :class:`Notify` callback that waits for the (possibly pending) gradients.
 
-    See [Note: pending tensors]; ``label`` names the wait in profiler traces.
+    See [Note: pending tensors]; ``label`` (the group's) names the wait in profiler traces.
     """
 
     def wait_all(grads):
-        with record_function(label):
+        with span("wait_reduce_scatter", label):
             return tuple(g if g is None else wait(g) for g in grads)
 
     return wait_all

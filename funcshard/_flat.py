@@ -298,8 +298,7 @@ def arm(tensors: Sequence[torch.Tensor], opts: Options) -> list[torch.Tensor]:
     cast = [x.to(_flat_dtype(opts, x.dtype)) for x in tensors]
     if not C.async_allowed() or not torch.is_grad_enabled():
         return cast
-    label = f"funcshard::wait_reduce_scatter ({opts.label})"
-    return list(C.Notify.apply(C.waiting(label), *cast))
+    return list(C.Notify.apply(C.waiting(opts.label), *cast))
 
 
 def issue(

@@ -72,7 +72,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.profiler import record_function
 from torch.distributed.tensor import DTensor
 
 from . import _compile, _flat, _sink
@@ -81,6 +80,7 @@ from ._consensus import agree, leaf
 from ._deferred import Deferred
 from ._extract import aliases, functional_call
 from ._plan import Plan, Step
+from ._profiling import span
 from ._spec import LocalShard, as_locals, check_materialized
 from .transforms._unshard import reduce_mean
 
@@ -284,7 +284,7 @@ class _Group:
             return
         self.issue()
         inflight, self.inflight = self.inflight, None
-        with record_function(f"funcshard::wait ({self.name})"):
+        with span("wait", self.name):
             if self.raw is None:
                 self.raw = _flat.finish(inflight)
                 self.fulls = list(Notify.apply(notify, *self.raw)) if notify else self.raw
@@ -310,7 +310,7 @@ class _Group:
                 _flat.finish(self.inflight)
             self.inflight = None
         if self.resident:
-            with record_function(f"funcshard::free ({self.name})"):
+            with span("free", self.name):
                 for s, _ in self.storages:
                     s.resize_(0)
             self.resident = False
@@ -426,7 +426,7 @@ class _Run:
             following = cursor.following()
             if self.in_forward and following is not None and torch.is_grad_enabled():
                 self.groups[following].arm()  # see _flat.arm: overlap of its reduce-scatter
-            self._enter(f"funcshard::{cursor.compute} ({group})")
+            self._enter(cursor.compute, group)
         self._ensure(group)
 
     def _execute(self, step: Step, direction: str) -> None:
@@ -530,9 +530,9 @@ class _Run:
             return saved.tensor
         return saved
 
-    def _enter(self, label: str) -> None:
+    def _enter(self, op: str, group: str) -> None:
         self._exit()
-        self.range = record_function(label)
+        self.range = span(op, group)
         self.range.__enter__()
 
     def _exit(self) -> None:

@@ -16,7 +16,7 @@ from torch.func import grad, vmap
 from torch.profiler import ProfilerActivity, profile
 
 import funcshard as fs
-from funcshard._profiling import peak_bytes
+from funcshard._profiling import peak_bytes, span
 
 from _comm import counts
 from _mesh import mesh
@@ -375,6 +375,19 @@ def test_profiler_shows_the_schedule_and_overlap(world2, prefetch):
         # the reduce-scatter of a group is issued when its backward ends, runs during the
         # backward of the group before it, and is waited for only then
         assert issued < next_backward < waited, names
+
+
+def test_profiler_ranges_only_under_a_profiler():
+    """[Note: profiler ranges only under a profiler]: without a profiler, one shared no-op (no
+    range, no label formatted); with one, ``record_function`` ranges under funcshard's names."""
+    assert span("wait", "blocks.0") is span("free", "blocks.1")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        assert span("wait", "blocks.0") is not span("free", "blocks.1")
+        with span("wait", "blocks.0"), span("free", "blocks.1"):
+            torch.ones(2).add_(1)
+    names = {e.name() for e in prof.profiler.kineto_results.events()}
+    assert {"funcshard::wait (blocks.0)", "funcshard::free (blocks.1)"} <= names
+    assert span("wait", "blocks.0") is span("free", "blocks.1")
 
 
 def batchnorm_in_bf16():
