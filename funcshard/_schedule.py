@@ -78,10 +78,11 @@ from . import _compile, _flat, _sink
 from ._collectives import Notify, async_allowed
 from ._consensus import agree, leaf
 from ._deferred import Deferred
-from ._extract import aliases, functional_call
+from ._extract import aliases, call, check_not_wrapped, eager_grad, slots
 from ._plan import Plan, Step
 from ._profiling import span
 from ._spec import LocalShard, as_locals, check_materialized
+from ._torch_checkpoint import bind, check_not_reentrant, current_frame, reparametrized
 from .transforms._unshard import reduce_mean
 
 
@@ -116,6 +117,7 @@ def schedule(
             group.
         TypeError: ``sharded`` is not a mapping, or a planned entry is not a shard.
     """
+    check_not_wrapped(module, "schedule")
     mean = reduce_mean(grad_reduce)
     group_of = plan.group_of()
     tied = aliases(module)
@@ -126,8 +128,10 @@ def schedule(
         params = _check_tree(sharded, group_of, unplanned)
         run = _Run(plan, sharded, _flat.Options("", param_dtype, reduce_dtype, mean))
         deferred = {fqn: Deferred(fqn, *run.metadata(fqn), run) for fqn in group_of}
+        named = slots(module, ({**params, **deferred}, buffers or {}), True, False)
+        run.bind_regions(module, named)
         with run.saved_tensor_hooks():
-            out = functional_call(module, ({**params, **deferred}, buffers or {}), args, kwargs)
+            out = call(module, named, args, kwargs)
         run.end_forward()
         return out
 
@@ -389,6 +393,9 @@ class _Run:
         self.range = None
         self.holding: set[str] = set()  # groups the operation being resolved uses
         self.held_frees: list[_Group] = []
+        # checkpoint regions: see [Note: activation checkpointing inside a funcshard call]
+        self.rebind: tuple[nn.Module, dict[str, Any]] | None = None
+        self.recomputing = 0
 
     # ---- what the module sees ------------------------------------------------------------
     def metadata(self, fqn: str):
@@ -400,9 +407,13 @@ class _Run:
         """The full tensors for one operation (see ``_deferred.Resolver``)."""
         places = [self.index[fqn] for fqn in fqns]
         self.holding = {state.name for state, _ in places}
+        if self.in_forward and self.rebind is not None:
+            self._bind_region()
         for state in dict.fromkeys(state for state, _ in places):
             if self.in_forward:
                 self._use(self.forward, state.name)
+            elif self.recomputing:  # a checkpoint region's forward, again, in backward
+                self._use(self.backward, state.name)
             else:  # the module kept a Deferred and used it after forward
                 self._ensure(state.name)
         return [state.fulls[i] for state, i in places]
@@ -413,6 +424,28 @@ class _Run:
         held, self.held_frees = self.held_frees, []
         for state in held:
             self._free(state)
+
+    # ---- checkpoint regions (see [Note: activation checkpointing inside a funcshard call]) --
+    def bind_regions(self, module: nn.Module, named: dict[str, Any]) -> None:
+        """Bind the checkpoint regions this call runs (eager grad mode only) to ``named``."""
+        if eager_grad():
+            self.rebind = (module, named)
+
+    def _bind_region(self) -> None:
+        frame = current_frame(skip_owner=self)
+        if frame is not None:
+            bind(frame, self._recompute)
+        else:
+            check_not_reentrant()
+
+    @contextlib.contextmanager
+    def _recompute(self):
+        self.recomputing += 1
+        try:
+            with reparametrized(*self.rebind):
+                yield
+        finally:
+            self.recomputing -= 1
 
     # ---- moving through the plan ---------------------------------------------------------
     def _use(self, cursor: _Cursor, group: str) -> None:
