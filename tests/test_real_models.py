@@ -24,9 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor.debug import CommDebugMode
 
 import funcshard as fs
 
+from _comm import counts
 from _mesh import mesh
 
 VOCAB, LENGTH, BATCH = 96, 8, 2  # per-rank batch: BATCH sequences of LENGTH tokens
@@ -186,16 +188,16 @@ def reference(name: str, sharded, buffers, b):
     return value.detach(), grads, own
 
 
-def fsdp2(name: str, b):
-    """FSDP2, ``fully_shard`` per block and on the root: ``(loss, {fqn: sharded grad},
-    buffers)``."""
+def fsdp2(name: str, b, **options):
+    """FSDP2, ``fully_shard(**options)`` per block and on the root: ``(loss, {fqn: sharded
+    grad}, buffers)``."""
     from torch.distributed.fsdp import fully_shard
 
     model = build(name)
     for m in model.modules():
         if isinstance(m, block_type(model)):
-            fully_shard(m, mesh=mesh(2))
-    fully_shard(model, mesh=mesh(2))
+            fully_shard(m, mesh=mesh(2), **options)
+    fully_shard(model, mesh=mesh(2), **options)
     loss = loss_of(name, model, b)
     loss.backward()
     grads = {k: p.grad for k, p in model.named_parameters()}
@@ -270,6 +272,35 @@ def gradients_match(name: str, path: str) -> None:
 
 
 LR = 1e-2
+
+
+def bf16_matches_fsdp2(name: str, reshard: bool) -> None:
+    """bf16 parameters with float32 reductions, through the schedule, == FSDP2 with the same
+    ``MixedPrecisionPolicy`` and ``reshard_after_forward``: the loss and every gradient; and the
+    collectives of docs/schedule.md, checkpointing or not (the recompute re-gathers nothing):
+    per group one reduce-scatter and one all-gather, two with reshard after forward but for the
+    root, which stays unsharded."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    b = batch(name, dist.get_rank())
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    expected = fsdp2(name, b, mp_policy=mp, reshard_after_forward=reshard)
+    model, sharded, buffers, _ = setup(name)
+    plan = fs.plan(
+        model,
+        fs.policy.by_type(block_type(model)),
+        reshard_after_forward=reshard,
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.float32,
+    )
+    with CommDebugMode() as comm:
+        loss, grads = fs.value_and_grad(sharded_loss(name, "schedule", model, plan, buffers))(
+            sharded, b
+        )
+    fs.testing.assert_close((loss, grads, buffers), expected)
+    groups = len(plan.groups)  # the root and the blocks
+    gathers = 2 * groups - 1 if reshard else groups
+    assert counts(comm) == {"all_gather": gathers, "reduce_scatter": groups}, counts(comm)
 
 
 def adamw_matches(name: str, path: str, on_meta: bool, steps: int = 3) -> None:
@@ -396,6 +427,14 @@ def case(*values, known_as=()):
 )
 def test_gradients(world2, name, path):
     on_ranks(world2, gradients_match, name, path)
+
+
+@pytest.mark.parametrize(
+    ("name", "reshard"),
+    [("gpt2", True), ("gpt2-ckpt", False), ("llama", False), ("llama-ckpt", True)],
+)
+def test_bf16_matches_fsdp2(world2, name, reshard):
+    on_ranks(world2, bf16_matches_fsdp2, name, reshard)
 
 
 @pytest.mark.parametrize(
