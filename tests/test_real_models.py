@@ -344,18 +344,21 @@ def planned_order(model: nn.Module) -> tuple[str, ...]:
     return ("", *blocks, "")
 
 
-def recorded_plan_matches(name: str) -> None:
-    """A plan recorded from this rank's real batch, the module on meta: the order of the model's
-    own forward; ``check_plan`` finds nothing to report; a step run with it gathers nothing out
-    of order (which warns) and equals the unsharded model."""
+def recorded_plan_matches(name: str, real: bool) -> None:
+    """A plan recorded from this rank's batch, the module on meta: by a dry run on meta copies
+    of the inputs, or (``real``) by one real forward over the shards, as FSDP2 learns the order
+    at run time (transformers' mask code calls ``.item()``, which meta tensors refuse). The
+    recorded order is the model's own; ``check_plan`` finds nothing to report; a step run with
+    the plan gathers nothing out of order (which warns) and equals the unsharded model (the
+    recording left the buffers as they were)."""
     model, sharded, buffers, _ = setup(name)
     b = batch(name, dist.get_rank())
     args, kwargs = inputs(name, b)
-    plan = fs.plan(
-        model, fs.policy.by_type(block_type(model)), example_args=args, example_kwargs=kwargs
-    )
+    real_forward = {"sharded": sharded, "buffers": buffers} if real else {}
+    policy = fs.policy.by_type(block_type(model))
+    plan = fs.plan(model, policy, example_args=args, example_kwargs=kwargs, **real_forward)
     assert plan.order == planned_order(model), plan
-    check = fs.testing.check_plan(model, plan, *args, **kwargs)
+    check = fs.testing.check_plan(model, plan, *args, **real_forward, **kwargs)
     assert check.ok, check
     ref_loss, ref_grads, ref_buffers = reference(name, sharded, buffers, b)
     with warnings.catch_warnings():
@@ -408,23 +411,16 @@ def _returning_errors(check, *args) -> str | None:
     return None
 
 
-def known(*sections: str):
-    """An xfail(strict) mark for a failure issue 16 fixes elsewhere: flip it when fixed."""
-    reasons = {
-        "2": "issue 16 §2: tied weights after to('meta') in plan(example_args=...)",
-        "3": "issue 16 §3: the dry run on meta calls .item() (transformers' mask code)",
-    }
-    return pytest.mark.xfail(strict=True, reason="; ".join(reasons[s] for s in sections))
-
-
-def case(*values, known_as=()):
-    return pytest.param(*values, marks=known(*known_as) if known_as else ())
-
-
-@pytest.mark.parametrize(
-    ("name", "path"),
-    [case(name, path) for name in MODELS for path in ("schedule", "unshard", "reduce")],
+# Flip when the fix is merged: an xfail(strict) fails the suite once the test passes.
+RECORDS_REAL_FORWARD = pytest.mark.xfail(
+    strict=True,
+    reason="issue 16 §3: plan(sharded=, buffers=) and check_plan(sharded=, buffers=) record from "
+    "one real forward (branch tied-plan)",
 )
+
+
+@pytest.mark.parametrize("path", ["schedule", "unshard", "reduce"])
+@pytest.mark.parametrize("name", MODELS)
 def test_gradients(world2, name, path):
     on_ranks(world2, gradients_match, name, path)
 
@@ -453,17 +449,14 @@ def test_adamw_steps(world2, name, path, on_meta):
 
 
 @pytest.mark.parametrize(
-    "name",
+    ("name", "real"),
     [
-        case("gpt2", known_as=("2", "3")),
-        case("gpt2-ckpt", known_as=("2", "3")),
-        case("llama", known_as=("3",)),
-        case("llama-ckpt", known_as=("3",)),
-        case("resnet"),
+        ("resnet", False),
+        *[pytest.param(name, True, marks=RECORDS_REAL_FORWARD) for name in MODELS],
     ],
 )
-def test_recorded_plan(world2, name):
-    on_ranks(world2, recorded_plan_matches, name)
+def test_recorded_plan(world2, name, real):
+    on_ranks(world2, recorded_plan_matches, name, real)
 
 
 # Not the checkpointed models: transformers' activation checkpointing makes the embeddings'
