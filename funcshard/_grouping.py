@@ -1,6 +1,6 @@
 """Grouping policies and ``group``: which parameters are gathered together.
 
-Policies decide, as FSDP1's auto-wrap policies do (seed ``000``), which modules become groups.
+Policies decide, as FSDP1's auto-wrap policies do, which modules become groups.
 ``group`` then assigns parameters to groups with the seed's rules: every non-ignored parameter
 exactly once; a parameter reachable from several groups goes to the first group in depth-first
 ``.modules()`` order; the root is always a group; groups come in depth-first order.

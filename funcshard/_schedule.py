@@ -117,7 +117,6 @@ def schedule(
             group.
         TypeError: ``sharded`` is not a mapping, or a planned entry is not a shard.
     """
-    check_not_wrapped(module, "schedule")
     mean = reduce_mean(grad_reduce)
     group_of = plan.group_of()
     tied = aliases(module)
@@ -128,6 +127,7 @@ def schedule(
         params = _check_tree(sharded, group_of, unplanned)
         run = _Run(plan, sharded, _flat.Options("", param_dtype, reduce_dtype, mean))
         deferred = {fqn: Deferred(fqn, *run.metadata(fqn), run) for fqn in group_of}
+        check_not_wrapped(module, "functional_call")
         named = slots(module, ({**params, **deferred}, buffers or {}), True, False)
         run.bind_regions(module, named)
         with run.saved_tensor_hooks():
@@ -467,7 +467,7 @@ class _Run:
         if step.op == "all_gather":
             state.issue()
         elif step.op == "wait":
-            self._materialize(state)
+            self._make_resident(state)
         elif step.op == "free" and self.frees and (direction == "forward" or state.frozen):
             if state.name in self.holding:  # needed by the operation being resolved
                 self.held_frees.append(state)
@@ -492,9 +492,9 @@ class _Run:
                 "docs/failures.md).",
                 stacklevel=4,
             )
-        self._materialize(state)
+        self._make_resident(state)
 
-    def _materialize(self, state: _Group) -> None:
+    def _make_resident(self, state: _Group) -> None:
         first = state.raw is None
         notify = self._post_backward(state) if self.tracking and torch.is_grad_enabled() else None
         state.wait(notify, self.tracking)

@@ -54,6 +54,7 @@ AREAS = {
     "_grouping.py": SCHEDULE,
     "_plan.py": SCHEDULE,
     "_compile.py": COMPILE,
+    "_compat.py": COMPILE,
     "_bucketing.py": SCHEDULE,
     "_record.py": SCHEDULE,
     "_schedule.py": SCHEDULE,
@@ -67,7 +68,7 @@ AREAS = {
 
 # Sites whose message is not written at the raise: "file::qualified function" -> (type, phrases).
 INDIRECT = {
-    "_dtensor.py::to_local": ("NotImplementedError", ["transforms over DTensor trees"]),
+    "_dtensor.py::locals_of": ("NotImplementedError", ["transforms over DTensor trees"]),
     "_compile.py::traced": ("RuntimeError", ["was created inside a function"]),  # .format
     "_consensus.py::agree": ("ValueError", ["ranks disagree"]),  # built by _message
     "testing/_pool.py::Pool._results": ("RankError", ["failed on rank", "did not finish"]),
