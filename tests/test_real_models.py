@@ -279,9 +279,6 @@ def gradients_match(name: str, path: str) -> None:
     fs.testing.assert_close((loss, grads, buffers), (fsdp_loss, fsdp_grads, fsdp_buffers))
 
 
-LR = 1e-2
-
-
 def bf16_matches_fsdp2(name: str, reshard: bool) -> None:
     """bf16 parameters with float32 reductions, through the schedule, == FSDP2 with the same
     ``MixedPrecisionPolicy`` and ``reshard_after_forward``: the loss and every gradient; and the
@@ -311,6 +308,9 @@ def bf16_matches_fsdp2(name: str, reshard: bool) -> None:
     ours = counts(comm)
     assert ours == {"all_gather": gathers, "reduce_scatter": groups}, ours
     assert all(n <= theirs.get(kind, 0) for kind, n in ours.items()), (ours, theirs)
+
+
+LR = 1e-2
 
 
 def adamw_matches(name: str, path: str, on_meta: bool, steps: int = 3) -> None:
