@@ -18,6 +18,7 @@ from ._base import (
 from ._clip import ClipState, clip_by_global_norm, global_norm
 from ._kernels import AdamState, SgdState, adam, adamw, add_decayed_weights, sgd
 from ._masked import MaskedState, at_least_2d, masked
+from ._muon import MuonState, muon
 from ._schedules import (
     constant_schedule,
     cosine_decay_schedule,
@@ -31,6 +32,7 @@ __all__ = [
     "EmptyState",
     "GradientTransformation",
     "MaskedState",
+    "MuonState",
     "SgdState",
     "adam",
     "adamw",
@@ -44,6 +46,7 @@ __all__ = [
     "global_norm",
     "linear_schedule",
     "masked",
+    "muon",
     "set_grads",
     "sgd",
     "step",
