@@ -19,6 +19,7 @@ from ._clip import ClipState, clip_by_global_norm, global_norm
 from ._kernels import AdamState, SgdState, adam, adamw, add_decayed_weights, sgd
 from ._masked import MaskedState, at_least_2d, masked
 from ._muon import MuonState, muon
+from ._partition import PartitionState, hidden_matrices, muon_adamw, partition
 from ._schedules import (
     constant_schedule,
     cosine_decay_schedule,
@@ -33,6 +34,7 @@ __all__ = [
     "GradientTransformation",
     "MaskedState",
     "MuonState",
+    "PartitionState",
     "SgdState",
     "adam",
     "adamw",
@@ -44,9 +46,12 @@ __all__ = [
     "constant_schedule",
     "cosine_decay_schedule",
     "global_norm",
+    "hidden_matrices",
     "linear_schedule",
     "masked",
     "muon",
+    "muon_adamw",
+    "partition",
     "set_grads",
     "sgd",
     "step",
