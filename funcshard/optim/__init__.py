@@ -16,6 +16,7 @@ from ._base import (
     step,
 )
 from ._clip import ClipState, clip_by_global_norm, global_norm
+from ._ema import Ema, EmaState, ema
 from ._kernels import AdamState, SgdState, adam, adamw, add_decayed_weights, sgd
 from ._masked import MaskedState, at_least_2d, masked
 from ._muon import MuonState, muon
@@ -30,6 +31,8 @@ from ._schedules import (
 __all__ = [
     "AdamState",
     "ClipState",
+    "Ema",
+    "EmaState",
     "EmptyState",
     "GradientTransformation",
     "MaskedState",
@@ -45,6 +48,7 @@ __all__ = [
     "clip_by_global_norm",
     "constant_schedule",
     "cosine_decay_schedule",
+    "ema",
     "global_norm",
     "hidden_matrices",
     "linear_schedule",
