@@ -18,6 +18,7 @@ from ._base import (
 from ._clip import ClipState, clip_by_global_norm, global_norm
 from ._ema import Ema, EmaState, ema
 from ._kernels import AdamState, SgdState, adam, adamw, add_decayed_weights, sgd
+from ._layout import shard_state, state_placements
 from ._masked import MaskedState, at_least_2d, masked
 from ._muon import MuonState, muon
 from ._partition import PartitionState, hidden_matrices, muon_adamw, partition
@@ -58,6 +59,8 @@ __all__ = [
     "partition",
     "set_grads",
     "sgd",
+    "shard_state",
+    "state_placements",
     "step",
     "warmup_cosine_decay_schedule",
 ]
