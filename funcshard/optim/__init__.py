@@ -21,6 +21,7 @@ from ._kernels import AdamState, SgdState, adam, adamw, add_decayed_weights, sgd
 from ._layout import shard_state, state_placements
 from ._masked import MaskedState, at_least_2d, masked
 from ._muon import MuonState, muon
+from ._offload import OffloadState, offload
 from ._partition import PartitionState, hidden_matrices, muon_adamw, partition
 from ._schedules import (
     constant_schedule,
@@ -38,6 +39,7 @@ __all__ = [
     "GradientTransformation",
     "MaskedState",
     "MuonState",
+    "OffloadState",
     "PartitionState",
     "SgdState",
     "adam",
@@ -56,6 +58,7 @@ __all__ = [
     "masked",
     "muon",
     "muon_adamw",
+    "offload",
     "partition",
     "set_grads",
     "sgd",
