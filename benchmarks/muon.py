@@ -97,10 +97,14 @@ def traffic(params) -> dict[str, float]:
     }
 
 
-def main() -> None:
+def setup(width: int, layers: int):
+    """The command line (``--width``, ``--layers``, ``--rounds``, ``--device``, ``--out``) and
+    the process group: NCCL (and gloo for CPU tensors) with ``--device cuda``, else gloo.
+
+    Returns ``(args, mesh, device)``."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--width", type=int, default=width)
+    ap.add_argument("--layers", type=int, default=layers)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default="benchmarks/results")
@@ -108,10 +112,16 @@ def main() -> None:
     cuda = args.device == "cuda"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo")
+    mesh = init_device_mesh(args.device, (dist.get_world_size(),))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return args, mesh, device
+
+
+def main() -> None:
+    args, mesh, device = setup(width=256, layers=4)
+    cuda = device.type == "cuda"
     world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh(args.device, (world,))
-    device = torch.device(args.device, torch.cuda.current_device()) if cuda else "cpu"
     torch.manual_seed(0)
     full = {
         k: torch.randn(s, device=device) * 0.02 for k, s in shapes(args.width, args.layers).items()

@@ -13,7 +13,6 @@ nothing is asserted.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -24,11 +23,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 
 import funcshard as fs
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from muon import setup  # the command line and the process group
+
 from _data import batch  # synthetic tokens
 from train_lm import LM, Block  # the main job's model
 
@@ -78,20 +78,9 @@ def fsdp2_offload_variant(model_fn, mesh, device):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--width", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--out", default="benchmarks/results")
-    args = ap.parse_args()
-    cuda = args.device == "cuda"
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo")
+    args, mesh, device = setup(width=512, layers=8)
+    cuda = device.type == "cuda"
     world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh(args.device, (world,))
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
     def model_fn():
         torch.manual_seed(0)
