@@ -263,3 +263,34 @@ def test_plain_tensors_in_one_process_match_torch():
         ours = optim.apply_updates(ours, updates)
     for k in full:
         torch.testing.assert_close(ours[k], theirs[k].detach(), rtol=0, atol=1e-6)
+
+
+# --- the benchmark's arithmetic ------------------------------------------------------------
+
+
+def benchmark_traffic():
+    from benchmarks import muon as bench
+
+    m = mesh(dist.get_world_size())
+    full = {k: torch.randn(s) for k, s in bench.shapes(8, 1).items()}
+    params, grads = (
+        fs.shard(full, m),
+        fs.shard({k: torch.randn_like(v) for k, v in full.items()}, m),
+    )
+    ours = {k: v.detach().clone() for k, v in params.items()}
+    opt = optim.muon(bench.LR)
+    optim.step(opt, ours, grads, opt.init(ours))
+    bench.gather_everywhere_step(params, grads, {k: torch.zeros_like(v) for k, v in params.items()})
+    same = all(torch.equal(ours[k].to_local(), params[k].to_local()) for k in full)
+    return bench.traffic(params), sum(v.numel() for v in full.values()), same
+
+
+def test_benchmark_counts_bytes_and_gathers_the_same_numbers(world4):
+    for t, numel, same in world4.run(benchmark_traffic):
+        assert same  # gather everywhere computes what fs.optim.muon does
+        mib = 2 / 2**20  # bfloat16
+        # every shard is even here (rows divisible by 4): each rank holds a quarter
+        assert t["gather_total_mib"] == pytest.approx(3 * numel * mib)  # (W - 1) x each matrix
+        assert t["lower_bound_total_mib"] == pytest.approx(2 * 0.75 * numel * mib)
+        assert t["owner_total_mib"] == pytest.approx(t["lower_bound_total_mib"])
+        assert t["owner_max_rank_mib"] >= t["owner_total_mib"] / 4
