@@ -294,3 +294,21 @@ def test_benchmark_counts_bytes_and_gathers_the_same_numbers(world4):
         assert t["lower_bound_total_mib"] == pytest.approx(2 * 0.75 * numel * mib)
         assert t["owner_total_mib"] == pytest.approx(t["lower_bound_total_mib"])
         assert t["owner_max_rank_mib"] >= t["owner_total_mib"] / 4
+
+
+def test_bf16_without_nesterov_keeps_the_momentum():
+    """torch.optim.Muon (torch 2.13) with bfloat16 parameters and nesterov=False orthogonalises
+    its momentum buffer in place (``buf.bfloat16()`` is ``buf``); fs.optim.muon orthogonalises a
+    copy: the same first step, and a buffer that is the momentum (a hand computation)."""
+    torch.manual_seed(0)
+    p, g = torch.randn(6, 4).bfloat16(), torch.randn(6, 4).bfloat16() * 10
+    theirs = p.clone().requires_grad_()
+    topt = torch.optim.Muon([theirs], lr=0.02, nesterov=False)
+    theirs.grad = g.clone()
+    topt.step()
+    opt = optim.muon(0.02, nesterov=False)
+    ours, state = optim.step(opt, {"w": p.clone()}, {"w": g.clone()}, opt.init({"w": p}))
+    assert _error(ours["w"], theirs.detach()) <= 1
+    assert torch.equal(state.momentum["w"], torch.zeros_like(g).lerp(g, 1 - 0.95))
+    torch_buffer = topt.state[theirs]["momentum_buffer"]
+    assert abs(torch_buffer.float().norm().item() - 1) < 0.01  # normalised: torch's aliasing
