@@ -83,3 +83,26 @@ def test_offloaded_adamw_keeps_float32_masters(world2, world4, dtype):
                 assert e["master"] == 0 and e["compute"] == 0, out
                 # the pure form returns new - old in the parameters' dtype
                 assert e["pure"] <= (1e-6 if dtype == torch.float32 else 2**-7), out
+
+
+def offload_checkpoint(path: str):
+    m = mesh(dist.get_world_size())
+    opt = optim.offload(optim.adamw(0.01))
+    params = fs.shard({k: v.bfloat16() for k, v in _full(-1).items()}, m)
+    params, state = optim.step(opt, params, fs.shard(_full(0), m), opt.init(params))
+    fs.checkpoint.save(path, {"opt": state})
+    loaded = fs.checkpoint.load(path, {"opt": opt.init(params)})["opt"]
+    pairs = zip(flatten(state)[1], flatten(loaded)[1], strict=True)
+    same = all(
+        torch.equal(a.to_local(), b.to_local()) if isinstance(a, DTensor) else torch.equal(a, b)
+        for a, b in pairs
+    )
+    on_cpu = all(
+        x.to_local().device.type == "cpu" for x in flatten(loaded)[1] if isinstance(x, DTensor)
+    )
+    return same, on_cpu, int(loaded.inner.count)
+
+
+def test_offloaded_state_checkpoints(world2, tmp_path):
+    for same, on_cpu, count in world2.run(offload_checkpoint, str(tmp_path / "ckpt")):
+        assert same and on_cpu and count == 1
