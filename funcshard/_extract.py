@@ -20,6 +20,8 @@ import torch
 import torch.func
 from torch import nn
 
+from ._meta import guard as guard_meta
+
 _ALIASES: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
 
 
@@ -81,7 +83,7 @@ def _fill_ties(alias: dict[str, str], given: Mapping[str, Any]) -> dict[str, Any
     """Values for the names of each tie set that were not given, from the one that was.
 
     Raises:
-        ValueError: different values given for names of one tie set (torch's message).
+        ValueError: different values given for names of one tie set.
     """
     sets: dict[str, set[str]] = {}
     for a, c in alias.items():
@@ -91,8 +93,11 @@ def _fill_ties(alias: dict[str, str], given: Mapping[str, Any]) -> dict[str, Any
         values = {id(given[n]): given[n] for n in names if n in given}
         if len(values) > 1:
             raise ValueError(
-                f"functional_call got multiple values for keys {sorted(names)}, which are tied. "
-                "Consider using tie_weights=False"
+                f"functional_call got different tensors for {sorted(names)}, which are one tied "
+                "tensor of the module. Give it under one name only (the dicts of fs.extract do; "
+                "the other names follow): a dict built from named_parameters() or state_dict() "
+                "after module.to('meta') has an untied copy under each name. To untie them on "
+                "purpose, pass tie_weights=False."
             )
         if values:
             (value,) = values.values()
@@ -124,7 +129,9 @@ def functional_call(
 
     Raises:
         ValueError: different values for tied names; a name given in two dicts.
-        RuntimeError: ``strict=True`` and names are missing or unexpected (torch's message).
+        RuntimeError: ``strict=True`` and names are missing or unexpected (torch's message);
+            the module uses one of its own tensors that is on meta and not given, while the
+            inputs are not on meta (see [Note: a tensor left on meta is never computed with]).
     """
     check_not_wrapped(module, "functional_call")
     dicts = (
@@ -143,10 +150,10 @@ def functional_call(
         given.update(_fill_ties(aliases(module), given))
     if strict:
         _check_strict(module, given)
+    named = guard_meta(module, _one_per_slot(module, given), args, kwargs)
     return torch.func.functional_call(
-        module, _one_per_slot(module, given), () if args is None else args, kwargs,
-        tie_weights=False,
-    )  # fmt: skip
+        module, named, () if args is None else args, kwargs, tie_weights=False
+    )
 
 
 def _check_strict(module: nn.Module, given: Mapping[str, Any]) -> None:

@@ -50,6 +50,7 @@ AREAS = {
     "transforms/_unshard.py": GRADIENTS,
     "transforms/_reduce.py": GRADIENTS,
     "_extract.py": MODULES,
+    "_meta.py": MODULES,
     "_grouping.py": SCHEDULE,
     "_plan.py": SCHEDULE,
     "_compile.py": COMPILE,
