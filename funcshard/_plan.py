@@ -188,8 +188,8 @@ def plan(
     """The plan for ``module``: groups from :func:`~funcshard.group`, and their order.
 
     Args:
-        module: the root module. Its parameters may already be on meta if it was passed to
-            :func:`~funcshard.extract` before the move (which records its tied weights).
+        module: the root module. Its parameters may already be on meta: built there, or moved
+            there after :func:`~funcshard.extract` (which records the ties the move breaks).
         policy: grouping policy (``None``: one group, the root).
         prefetch: forward all-gathers in flight ahead of the group computing (``0``: none).
         backward_prefetch: the same for the re-gathers in backward.

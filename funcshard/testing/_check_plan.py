@@ -85,10 +85,11 @@ def check_plan(
     parameter groups with ``plan.order``.
 
     Without ``sharded``: a dry run on meta copies of the inputs, with shape-only parameters; no
-    data, no collectives, no process group needed. ``module`` may already be on meta (if it was
-    passed to :func:`~funcshard.extract` before the move). With ``sharded`` (and ``buffers``):
-    one real forward without grad over the shards, for a forward that cannot run on meta, as
-    ``fs.plan(..., sharded=...)`` records it; collective: call it on every rank.
+    data, no collectives, no process group needed. ``module`` may already be on meta (built
+    there, or moved there after :func:`~funcshard.extract`, which records the ties the move
+    breaks). With ``sharded`` (and ``buffers``): one real forward without grad over the shards,
+    for a forward that cannot run on meta, as ``fs.plan(..., sharded=...)`` records it;
+    collective: call it on every rank.
 
     Out-of-order runs are not wrong with :func:`~funcshard.schedule` (it gathers on demand,
     with a warning), only slower; groups never used are gathered and reduce-scattered for
