@@ -42,7 +42,8 @@ def guard(module: nn.Module, named: dict[str, Any], args: Any, kwargs: Any) -> d
 
     See [Note: a tensor left on meta is never computed with].
     """
-    left = [(fqn, t) for fqn, t in _own_tensors(module, named) if t.is_meta]
+    # .device, not .is_meta: a slot may hold an outer call's Deferred, which answers it as is
+    left = [(fqn, t) for fqn, t in _own_tensors(module, named) if t.device.type == "meta"]
     if not left or _dry_run(args, kwargs):
         return named
     raising = _Refuse(module)

@@ -15,6 +15,7 @@ from torch.distributed.tensor import Shard
 
 import funcshard as fs
 from funcshard import _meta
+from funcshard._deferred import Deferred
 
 from _checks import raises
 from _mesh import mesh
@@ -148,6 +149,37 @@ def test_meta_check_looks_at_the_module_once_per_set_of_names():
     net.to("meta")  # the same names: the tensors themselves are looked at on every call
     with pytest.raises(RuntimeError, match=r"'1\.num_batches_tracked', which is on the meta"):
         fs.functional_call(net, params, (x,))
+
+
+def test_meta_check_does_not_gather_a_parameter_to_look_at_it():
+    """A nested functional_call that leaves a slot to the module, while an outer call holds a
+    Deferred parameter there: the check reads its device without resolving (gathering) it."""
+
+    class Counting:
+        def __init__(self, value):
+            self.value, self.calls = value, 0
+
+        def resolve(self, fqns):
+            self.calls += 1
+            return [self.value]
+
+        def release(self):
+            pass
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return fs.functional_call(self.inner, {"bias": torch.zeros(2)}, (x,))
+
+    outer, weight, x = Outer(), torch.randn(2, 2), torch.randn(3, 2)
+    resolver = Counting(weight)
+    deferred = Deferred("inner.weight", (2, 2), torch.float32, "cpu", resolver)
+    got = fs.functional_call(outer, {"inner.weight": deferred}, (x,))
+    torch.testing.assert_close(got, x @ weight.T)
+    assert resolver.calls == 1  # F.linear's use only
 
 
 def scheduled_without_buffers():
