@@ -1,8 +1,7 @@
 """funcshard's collectives: the only place where communication happens.
 
 New-style ``autograd.Function``s over the c10d collectives, each with a ``jvp`` and a ``vmap``
-rule, so they compose with plain autograd and with every ``torch.func`` transform (see
-``shared/notes/torch-func-and-collectives.md``):
+rule, so they compose with plain autograd and with every ``torch.func`` transform:
 
 =================  =============================================  =======================
 Function           forward                                        backward
@@ -40,8 +39,13 @@ caller's stream wait for the collective's event without blocking the host. So a 
 all-gather runs while the compute stream runs the previous group, and the caching allocator
 cannot hand the buffers to another stream's work early (the process group keeps them alive
 until its work ends). What FSDP2 does beyond that, and funcshard does not (yet): the copy-in
-on a stream of its own, so that it overlaps compute too. Not run here: no GPU was lent to the
-sessions that wrote this (``tests/test_cuda.py`` skips without one).
+on a stream of its own, so that it overlaps compute too.
+
+[Note: one rank communicates nothing]
+Over a mesh dim of one rank an all-gather returns its input, a reduce-scatter or all-reduce its
+input in the reduce dtype (the mean over one rank is the value itself): no collective is
+issued, as FSDP2 does at world size 1, and the rest (casts, copy-in, autograd nodes, the plan's
+steps) is unchanged, so values and dtypes are those of the collective.
 
 [Note: collectives under torch.compile]
 While ``torch.compile`` traces (see [Note: funcshard under torch.compile] in ``_compile``), the
@@ -65,6 +69,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from ._compat import all_gather_single
 from ._compile import compiling, issued, waits_for
 from ._profiling import span
 
@@ -73,6 +78,9 @@ _ops = torch.ops._c10d_functional
 # Inputs donated to pending reductions, freed when their output is waited for: c10d's work
 # object would otherwise keep them alive until the next collective. {output storage: input}
 _DONATED: dict[int, torch.Tensor] = {}
+# Storages of the outputs returned pending (see [Note: pending tensors]): ``wait`` on any other
+# tensor returns at once, without a dispatch of ``wait_tensor``.
+_PENDING: set[int] = set()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,11 +117,16 @@ def wait(t: torch.Tensor) -> torch.Tensor:
     """
     if compiling():  # see [Note: collectives under torch.compile]
         return _ops.wait_tensor(t) if waits_for(t) else t
+    if not _PENDING:
+        return t
+    ptr = t.untyped_storage().data_ptr()
+    if ptr not in _PENDING:
+        return t
+    _PENDING.discard(ptr)
     _ops.wait_tensor(t.detach())
-    if _DONATED:
-        donated = _DONATED.pop(t.untyped_storage().data_ptr(), None)
-        if donated is not None:
-            donated.untyped_storage().resize_(0)
+    donated = _DONATED.pop(ptr, None)
+    if donated is not None:
+        donated.untyped_storage().resize_(0)
     return t
 
 
@@ -167,6 +180,14 @@ def _pending_or_waited(y: torch.Tensor, comm: Comm, donated: torch.Tensor | None
     return wait(y)
 
 
+def _issued(y: torch.Tensor) -> torch.Tensor:
+    """``y``, a functional collective's output just issued: pending until :func:`wait`."""
+    if compiling():
+        return issued(y)
+    _PENDING.add(y.untyped_storage().data_ptr())
+    return y
+
+
 def _flat_pieces(pieces, dim: int, dtype) -> torch.Tensor:
     return torch.cat([p.flatten(dim).to(dtype) for p in pieces], dim=dim)
 
@@ -189,8 +210,10 @@ def _split_pieces(flat: torch.Tensor, shapes, dim: int) -> list[torch.Tensor]:
 def _all_gather(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """Gather ``x`` along ``comm.dim`` (synchronously unless ``dim == 0`` and async)."""
     x = wait(x).to(comm.gather_dtype or x.dtype)
+    if comm.world == 1:  # see [Note: one rank communicates nothing]
+        return x
     with span("all_gather", comm.label):
-        y = issued(_ops.all_gather_into_tensor(x.contiguous(), comm.world, comm.group.group_name))
+        y = _issued(_ops.all_gather_into_tensor(x.contiguous(), comm.world, comm.group.group_name))
     if comm.dim == 0:
         return _pending_or_waited(y, comm, None)
     y = wait(y).view(comm.world, *x.shape).movedim(0, comm.dim)
@@ -199,11 +222,13 @@ def _all_gather(x: torch.Tensor, comm: Comm) -> torch.Tensor:
 
 def _reduce_scatter(x, comm: Comm, out_dtype: torch.dtype, donated: bool) -> torch.Tensor:
     x, ours = _reduce_input(wait(x), comm, donated)
+    if comm.world == 1:  # see [Note: one rank communicates nothing]
+        return x.to(out_dtype)
     d, w = comm.dim, comm.world
     if d != 0:  # [A, W*c, B] -> [W*A, c, B]: rank r's chunk is contiguous, returns as [A, c, B]
         x = x.unflatten(d, (w, x.shape[d] // w)).movedim(d, 0).flatten(0, 1).contiguous()
     with span("reduce_scatter", comm.label):
-        y = issued(_ops.reduce_scatter_tensor(x, "sum", w, comm.group.group_name))
+        y = _issued(_ops.reduce_scatter_tensor(x, "sum", w, comm.group.group_name))
     if d == 0 and comm.async_op and y.dtype == out_dtype:
         if ours and copies_reduce_scatter_input(comm.group, x.device.type):
             x.untyped_storage().resize_(0)  # see [Note: gloo copies reduce-scatter inputs]
@@ -236,8 +261,10 @@ def copies_reduce_scatter_input(group: dist.ProcessGroup, device_type: str) -> b
 def _all_reduce(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     x = wait(x)
     y, _ = _reduce_input(x, comm, False)
+    if comm.world == 1:  # see [Note: one rank communicates nothing]
+        return y.to(x.dtype)
     with span("all_reduce", comm.label):
-        y = issued(_ops.all_reduce(y, "sum", comm.group.group_name))
+        y = _issued(_ops.all_reduce(y, "sum", comm.group.group_name))
     if comm.async_op and y.dtype == x.dtype and y.numel():
         return y
     return wait(y).to(x.dtype)
@@ -247,18 +274,23 @@ def _moved(x: torch.Tensor, bdim: int | None, size: int) -> torch.Tensor:
     return x.expand(size, *x.shape) if bdim is None else x.movedim(bdim, 0)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Started:
     """An all-gather issued by :func:`start_all_gather`: its output and c10d work."""
 
     output: torch.Tensor
-    work: dist.Work | None  # None: a functional collective (under torch.compile)
+    work: dist.Work | None  # None: a functional collective (under torch.compile), or none
 
     def wait(self) -> torch.Tensor:
         if self.work is None:
             return wait(self.output)
         self.work.wait()
         return self.output
+
+    def transferred(self) -> None:
+        """Wait for the transfer only (the output is not read yet)."""
+        if self.work is not None:
+            self.work.wait()
 
 
 def start_all_gather(comm: Comm, pieces) -> Started:
@@ -279,8 +311,10 @@ def start_all_gather(comm: Comm, pieces) -> Started:
     slot = output.narrow(0, dist.get_rank(comm.group) * size, size)
     with torch.no_grad():
         torch._foreach_copy_(list(slot.split(numels)), [p.detach().reshape(-1) for p in pieces])
+    if comm.world == 1:  # see [Note: one rank communicates nothing]
+        return Started(output, None)
     with span("all_gather", comm.label):
-        work = dist.all_gather_single(output, slot, group=comm.group, async_op=True)
+        work = all_gather_single(output, slot, group=comm.group, async_op=True)
     return Started(output, work)
 
 

@@ -41,6 +41,8 @@ import torch
 import torch.utils._pytree as torch_pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ._compat import require_2_13
+
 F = TypeVar("F", bound=Callable)
 _NUMBERS = itertools.count()
 _CREATED_INSIDE = (
@@ -82,6 +84,7 @@ def traced(fn: F) -> F:
     def call(*args, **kwargs):
         if not torch.compiler.is_dynamo_compiling():
             return fn(*args, **kwargs)
+        require_2_13(f"funcshard's {name} under torch.compile")
         return _ungraphed(opaque(*_encoded(args), **_encoded(kwargs)))
 
     return functools.wraps(fn)(_own_code(call, name))  # type: ignore[return-value]

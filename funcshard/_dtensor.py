@@ -65,6 +65,14 @@ def _as_dtensor(local: torch.Tensor, spec) -> DTensor:
     return DTensor(local.detach(), dspec, requires_grad=False)
 
 
+def placed_like(local: torch.Tensor, like: DTensor) -> DTensor:
+    """``local`` as a DTensor placed like ``like`` (its mesh, placements, global shape and
+    stride; ``local``'s dtype): see [Note: DTensors built from their spec]."""
+    meta = TensorMeta(like.shape, like.stride(), local.dtype)
+    dspec = DTensorSpec(like.device_mesh, like.placements, tensor_meta=meta)
+    return DTensor(local.detach(), dspec, requires_grad=False)
+
+
 @functools.lru_cache(maxsize=1024)
 def _stacked(spec, size: int):
     """``spec`` with a new leading dim of ``size`` (unsharded)."""
@@ -77,7 +85,7 @@ def _stacked(spec, size: int):
     )
 
 
-def to_local(leaves, specs) -> list[torch.Tensor]:
+def locals_of(leaves, specs) -> list[torch.Tensor]:
     """The local shards of DTensor ``leaves`` (maybe under functorch wrappers, or closed over),
     in one autograd call for the whole tree (see [Note: one call per tree]).
 
@@ -102,7 +110,7 @@ _COMPILED_TRANSFORM = (
 )
 
 
-def from_local(locals_, specs) -> list[DTensor]:
+def dtensors_of(locals_, specs) -> list[DTensor]:
     """DTensors with ``specs`` from local shards, in one autograd call."""
     return list(FromLocal.apply(_Specs(specs), *locals_)) if locals_ else []
 

@@ -20,7 +20,9 @@ import torch
 import torch.func
 from torch import nn
 
+from ._compile import compiling
 from ._meta import guard as guard_meta
+from ._torch_checkpoint import binding_regions, reparametrized
 
 _ALIASES: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
 
@@ -134,6 +136,15 @@ def functional_call(
             inputs are not on meta (see [Note: a tensor left on meta is never computed with]).
     """
     check_not_wrapped(module, "functional_call")
+    named = slots(module, parameter_and_buffer_dicts, tie_weights, strict)
+    # see [Note: activation checkpointing inside a funcshard call]
+    rebind = (lambda: reparametrized(module, named)) if eager_grad() else None
+    return call(module, named, args, kwargs, rebind)
+
+
+def slots(module, parameter_and_buffer_dicts, tie_weights: bool, strict: bool) -> dict[str, Any]:
+    """The dicts merged, ties filled, one name per (module, attribute) slot: what
+    ``torch.func.functional_call`` gets (see [Note: shared modules])."""
     dicts = (
         [parameter_and_buffer_dicts]
         if isinstance(parameter_and_buffer_dicts, Mapping)
@@ -150,9 +161,28 @@ def functional_call(
         given.update(_fill_ties(aliases(module), given))
     if strict:
         _check_strict(module, given)
-    named = guard_meta(module, _one_per_slot(module, given), args, kwargs)
-    return torch.func.functional_call(
-        module, named, () if args is None else args, kwargs, tie_weights=False
+    return _one_per_slot(module, given)
+
+
+def call(module: nn.Module, named: dict[str, Any], args, kwargs, rebind=None) -> Any:
+    """``module`` called with the ``named`` slots swapped in; with ``rebind``, each checkpoint
+    region in which a module is called recomputes inside ``rebind()``. A tensor the module
+    would read from itself on meta is refused where used (see ``_meta``)."""
+    named = guard_meta(module, named, args, kwargs)
+    args = () if args is None else args
+    if rebind is None:
+        return torch.func.functional_call(module, named, args, kwargs, tie_weights=False)
+    with binding_regions(rebind):
+        return torch.func.functional_call(module, named, args, kwargs, tie_weights=False)
+
+
+def eager_grad() -> bool:
+    """Grad mode in plain eager autograd: where ``torch.utils.checkpoint`` may run (not inside
+    ``torch.func`` transforms, which refuse it, nor while ``torch.compile`` traces)."""
+    return (
+        torch.is_grad_enabled()
+        and torch._C._functorch.peek_interpreter_stack() is None
+        and not compiling()
     )
 
 

@@ -95,7 +95,7 @@ class Options:
         )
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _Level:
     """A gather of one mesh dim: padded (and, under plain autograd, issued), not finished."""
 
@@ -107,7 +107,7 @@ class _Level:
     sizes: list[int]  # sizes along dims after the gather
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _Started:
     """One bucket's gather, issued."""
 
@@ -117,7 +117,7 @@ class _Started:
     out_dtype: torch.dtype
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Inflight:
     """Gathers issued by :func:`issue`; :func:`finish` waits and copies them out."""
 
@@ -342,7 +342,7 @@ def wait_transfers(inflight: Inflight) -> None:
     """
     for b in inflight.buckets:
         if isinstance(b.state, _Level) and b.state.started is not None:
-            b.state.started.work.wait()
+            b.state.started.transferred()
 
 
 def finish(inflight: Inflight, into: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:

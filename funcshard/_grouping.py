@@ -1,6 +1,6 @@
 """Grouping policies and ``group``: which parameters are gathered together.
 
-Policies decide, as FSDP1's auto-wrap policies do (seed ``000``), which modules become groups.
+Policies decide, as FSDP1's auto-wrap policies do, which modules become groups.
 ``group`` then assigns parameters to groups with the seed's rules: every non-ignored parameter
 exactly once; a parameter reachable from several groups goes to the first group in depth-first
 ``.modules()`` order; the root is always a group; groups come in depth-first order.
@@ -215,9 +215,9 @@ def _select(module, fqn, policy, ignored_modules, ignored_params, names, selecte
     if module in seen:
         return seen[module]
     seen[module] = 0
-    own = {
+    own = {  # nn.Module's own walk: wrappers (checkpoint_wrapper) rename in their override
         names[f"{fqn}.{n}" if fqn else n]: p
-        for n, p in module.named_parameters(remove_duplicate=False)
+        for n, p in nn.Module.named_parameters(module, remove_duplicate=False)
     }
     total = sum(p.numel() for n, p in own.items() if n not in ignored_params)
     if not policy.descend(module, total):

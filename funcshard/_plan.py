@@ -1,16 +1,16 @@
 """The schedule, as data: which group is gathered, waited for, computed and freed when.
 
 This file is the whole schedule. :func:`plan` picks the groups and the forward order;
-``_forward_steps`` and ``_backward_steps`` turn them into the exact list of steps of a training
-step; ``_schedule.py`` only *follows* that list.
+``Plan.__post_init__`` turns them into the exact list of steps of a training step
+(``_plan_steps``); ``_schedule.py`` only *follows* that list.
 
 [Note: the order is written down, not discovered]
 FSDP2 prefetches backward "naively using the reverse post-forward order, which may have
-mistargeted prefetches" (seed ``001``). Here the forward order is explicit: given, recorded once
-from a dry run on meta tensors or from one real forward over the shards, or the depth-first
-module order. It is a list of *runs*: a group may appear several times (a root whose embedding
-is used first and its head last, a parent whose layers run between its children's). A group is
-freed after its last run.
+mistargeted prefetches" (``_fsdp_param_group.py``). Here the forward order is explicit:
+given, recorded once from a dry run on meta tensors or from one real forward over the shards, or
+the depth-first module order. It is a list of *runs*: a group may appear several times (a root
+whose embedding is used first and its head last, a parent whose layers run between its
+children's). A group is freed after its last run.
 
 [Note: the root group]
 As FSDP2, the root group (named ``""``) is not resharded after forward: it stays unsharded from
@@ -86,12 +86,12 @@ class Plan:
         set_("backward_order", tuple(self.backward_order or reversed(self.order)))
         _validate(self)
         reshard = {g.name: g.reshard_after_forward for g in self.groups}
-        forward = _steps(
+        forward = _plan_steps(
             self.order, self.prefetch, (), "forward", lambda g: ("free",) if reshard[g] else ()
         )
         # a group is unsharded at the start of backward if it was never freed in forward
         kept = set(reshard) - {s.group for s in forward if s.op == "free"}
-        backward = _steps(
+        backward = _plan_steps(
             self.backward_order,
             self.backward_prefetch,
             kept,
@@ -257,10 +257,11 @@ def _batchnorm_rule(module, policy, param_dtype) -> tuple[Policy | None, list[st
     ``param_dtype`` is a low precision; else ``(policy, [])``.
 
     [Note: BatchNorm stays in full precision]
-    FSDP1 (seed ``000``) wraps each BatchNorm module in its own unit in full precision, because
-    BatchNorm's kernels reject low-precision parameters; they do accept low-precision *inputs*
-    with float32 parameters (the output keeps the input's dtype), so no cast is needed around
-    them. The rule is written into the plan (per-group dtypes), where it can be read and edited.
+    FSDP1 (``MixedPrecision._module_classes_to_ignore``) wraps each BatchNorm module in its own
+    unit in full precision, because BatchNorm's kernels reject low-precision parameters; they do
+    accept low-precision *inputs* with float32 parameters (the output keeps the input's dtype),
+    so no cast is needed around them. The rule is written into the plan (per-group dtypes), where
+    it can be read and edited.
     """
     if param_dtype is None or param_dtype.itemsize >= 4:
         return policy, []
@@ -327,7 +328,7 @@ def _upcoming(order, i, count) -> list[str]:
     return out
 
 
-def _steps(order, prefetch, resident, compute, after_last) -> list[Step]:
+def _plan_steps(order, prefetch, resident, compute, after_last) -> list[Step]:
     """Walk the runs of ``order``: gather a group before its run (``prefetch`` groups ahead),
     ``compute`` it, and after its last run append ``after_last(group)`` steps.
 

@@ -2,7 +2,7 @@
 allocator's own events (torch.profiler, profile_memory).
 
 ``peak_bytes`` is used by the tests and the benchmarks, for funcshard and FSDP2 alike:
-``MemTracker`` cannot follow ``functional_call`` with non-leaf parameters (see ``shared/notes``).
+``MemTracker`` cannot follow ``functional_call`` with non-leaf parameters (torch 2.13).
 """
 
 from __future__ import annotations

@@ -78,10 +78,11 @@ from . import _compile, _flat, _sink
 from ._collectives import Notify, async_allowed
 from ._consensus import agree, leaf
 from ._deferred import Deferred
-from ._extract import aliases, functional_call
+from ._extract import aliases, call, check_not_wrapped, eager_grad, slots
 from ._plan import Plan, Step
 from ._profiling import span
 from ._spec import LocalShard, as_locals, check_materialized
+from ._torch_checkpoint import bind, check_not_reentrant, current_frame, reparametrized
 from .transforms._unshard import reduce_mean
 
 
@@ -126,8 +127,11 @@ def schedule(
         params = _check_tree(sharded, group_of, unplanned)
         run = _Run(plan, sharded, _flat.Options("", param_dtype, reduce_dtype, mean))
         deferred = {fqn: Deferred(fqn, *run.metadata(fqn), run) for fqn in group_of}
+        check_not_wrapped(module, "functional_call")
+        named = slots(module, ({**params, **deferred}, buffers or {}), True, False)
+        run.bind_regions(module, named)
         with run.saved_tensor_hooks():
-            out = functional_call(module, ({**params, **deferred}, buffers or {}), args, kwargs)
+            out = call(module, named, args, kwargs)
         run.end_forward()
         return out
 
@@ -389,6 +393,9 @@ class _Run:
         self.range = None
         self.holding: set[str] = set()  # groups the operation being resolved uses
         self.held_frees: list[_Group] = []
+        # checkpoint regions: see [Note: activation checkpointing inside a funcshard call]
+        self.rebind: tuple[nn.Module, dict[str, Any]] | None = None
+        self.recomputing = 0
 
     # ---- what the module sees ------------------------------------------------------------
     def metadata(self, fqn: str):
@@ -400,9 +407,13 @@ class _Run:
         """The full tensors for one operation (see ``_deferred.Resolver``)."""
         places = [self.index[fqn] for fqn in fqns]
         self.holding = {state.name for state, _ in places}
+        if self.in_forward and self.rebind is not None:
+            self._bind_region()
         for state in dict.fromkeys(state for state, _ in places):
             if self.in_forward:
                 self._use(self.forward, state.name)
+            elif self.recomputing:  # a checkpoint region's forward, again, in backward
+                self._use(self.backward, state.name)
             else:  # the module kept a Deferred and used it after forward
                 self._ensure(state.name)
         return [state.fulls[i] for state, i in places]
@@ -413,6 +424,28 @@ class _Run:
         held, self.held_frees = self.held_frees, []
         for state in held:
             self._free(state)
+
+    # ---- checkpoint regions (see [Note: activation checkpointing inside a funcshard call]) --
+    def bind_regions(self, module: nn.Module, named: dict[str, Any]) -> None:
+        """Bind the checkpoint regions this call runs (eager grad mode only) to ``named``."""
+        if eager_grad():
+            self.rebind = (module, named)
+
+    def _bind_region(self) -> None:
+        frame = current_frame(skip_owner=self)
+        if frame is not None:
+            bind(frame, self._recompute)
+        else:
+            check_not_reentrant()
+
+    @contextlib.contextmanager
+    def _recompute(self):
+        self.recomputing += 1
+        try:
+            with reparametrized(*self.rebind):
+                yield
+        finally:
+            self.recomputing -= 1
 
     # ---- moving through the plan ---------------------------------------------------------
     def _use(self, cursor: _Cursor, group: str) -> None:
@@ -434,7 +467,7 @@ class _Run:
         if step.op == "all_gather":
             state.issue()
         elif step.op == "wait":
-            self._materialize(state)
+            self._make_resident(state)
         elif step.op == "free" and self.frees and (direction == "forward" or state.frozen):
             if state.name in self.holding:  # needed by the operation being resolved
                 self.held_frees.append(state)
@@ -459,9 +492,9 @@ class _Run:
                 "docs/failures.md).",
                 stacklevel=4,
             )
-        self._materialize(state)
+        self._make_resident(state)
 
-    def _materialize(self, state: _Group) -> None:
+    def _make_resident(self, state: _Group) -> None:
         first = state.raw is None
         notify = self._post_backward(state) if self.tracking and torch.is_grad_enabled() else None
         state.wait(notify, self.tracking)

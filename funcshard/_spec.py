@@ -21,8 +21,10 @@ different members); stack along dim 0 and shard a later dim, e.g. ``placements=S
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -120,14 +122,24 @@ class LocalShard:
 # The pytree context of a LocalShard is a number standing for its spec, not the spec itself:
 # torch.compile must carry the context through its graphs as a constant, which it can do for a
 # number and not for a ShardSpec (see [Note: funcshard under torch.compile]).
-_SPECS: list[ShardSpec] = []
+# Bounded: the least recently numbered specs are forgotten past ``_SPECS_SIZE`` (numbers are
+# never reused, so a forgotten number fails loudly instead of decoding to another spec).
+_SPECS: collections.OrderedDict[int, ShardSpec] = collections.OrderedDict()
 _SPEC_NUMBERS: dict[ShardSpec, int] = {}
+_SPECS_SIZE = 4096
+_NEXT_SPEC = itertools.count()
 
 
 def _spec_number(spec: ShardSpec) -> int:
-    number = _SPEC_NUMBERS.setdefault(spec, len(_SPECS))
-    if number == len(_SPECS):
-        _SPECS.append(spec)
+    number = _SPEC_NUMBERS.get(spec)
+    if number is None:
+        number = _SPEC_NUMBERS[spec] = next(_NEXT_SPEC)
+        _SPECS[number] = spec
+        while len(_SPECS) > _SPECS_SIZE:
+            _, old = _SPECS.popitem(last=False)
+            del _SPEC_NUMBERS[old]
+    else:
+        _SPECS.move_to_end(number)
     return number
 
 
@@ -251,7 +263,7 @@ def as_locals(paths, leaves, fn: str) -> tuple[list[torch.Tensor], list[ShardSpe
             if found is not None and found[0] is leaf:
                 locals_[i] = found[1]
     dtensors = [i for i, x in enumerate(locals_) if x is None]
-    shards = _dtensor.to_local([leaves[i] for i in dtensors], [specs[i] for i in dtensors])
+    shards = _dtensor.locals_of([leaves[i] for i in dtensors], [specs[i] for i in dtensors])
     for i, local in zip(dtensors, shards, strict=True):
         locals_[i] = local
     return locals_, specs

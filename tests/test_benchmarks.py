@@ -5,6 +5,9 @@ No timing is asserted: performance numbers live in BENCHMARKS.md."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ from benchmarks import compile as compiled
 from benchmarks.memory import CATEGORIES, Event
 from benchmarks.variants import VARIANTS, Options, module_groups, plan_for
 from benchmarks.workloads import linears, transformer
+from funcshard._compat import HAS_2_13
 
 from _mesh import mesh
 
@@ -191,6 +195,7 @@ def compile_smoke():
     return row, gap, none, failed
 
 
+@pytest.mark.skipif(not HAS_2_13, reason="funcshard under torch.compile: torch 2.13")
 def test_compile_part_first_call_on_two_ranks(world2):
     for row, gap, none, failed in world2.run(compile_smoke):
         assert row["graphs"] == 1 and row["recompiles"] == 0 and row["first_call_s"] > 0
@@ -206,3 +211,15 @@ def test_scale_and_driver_in_process(tmp_path):
     for row in result["memory"]:  # per-rank parameters: P / W (+ padding) + the window
         assert row["per_rank_gib"] == pytest.approx(row["formula_gib"], rel=0.05)
     assert [r["world"] for r in result["memory"]] == [8, 1024]
+
+
+def test_host_part_runs_quick():
+    """benchmarks/host.py: one gloo rank, three frameworks at two depths (a subprocess: it makes
+    its own process group)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.host", "--quick"],
+        capture_output=True, text=True, timeout=300, check=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": "0"},
+    )  # fmt: skip
+    rows = [line.split()[0] for line in out.stdout.splitlines()[1:]]
+    assert rows == ["plain", "FSDP2", "funcshard"]

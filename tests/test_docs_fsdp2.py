@@ -1,5 +1,6 @@
 """docs/fsdp2.md covers all of FSDP2's API in this torch: every ``fully_shard`` argument, every
-``MixedPrecisionPolicy`` field and every method ``FSDPModule`` adds to ``nn.Module`` has a row."""
+``MixedPrecisionPolicy`` field and every method ``FSDPModule`` adds to ``nn.Module`` has a row.
+The page is written for torch 2.13 (exactly its API); an older torch's API is a subset."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from pathlib import Path
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from funcshard._compat import HAS_2_13
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "fsdp2.md"
 
@@ -25,8 +28,12 @@ def _rows(heading: str) -> set[str]:
     return names
 
 
+def _covers(documented: set[str], actual: set[str]) -> None:
+    assert documented == actual if HAS_2_13 else actual <= documented
+
+
 def test_every_fully_shard_argument_has_a_row():
-    assert _rows("`fully_shard` arguments") == set(inspect.signature(fully_shard).parameters)
+    _covers(_rows("`fully_shard` arguments"), set(inspect.signature(fully_shard).parameters))
 
 
 def test_every_mixed_precision_field_has_a_row():
@@ -36,4 +43,4 @@ def test_every_mixed_precision_field_has_a_row():
 
 def test_every_fsdp_module_method_has_a_row():
     methods = {m for m in dir(FSDPModule) if not m.startswith("_") and m not in dir(nn.Module)}
-    assert _rows("`FSDPModule` methods") == methods
+    _covers(_rows("`FSDPModule` methods"), methods)

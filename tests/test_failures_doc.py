@@ -51,9 +51,11 @@ AREAS = {
     "transforms/_reduce.py": GRADIENTS,
     "_extract.py": MODULES,
     "_meta.py": MODULES,
+    "_torch_checkpoint.py": MODULES,
     "_grouping.py": SCHEDULE,
     "_plan.py": SCHEDULE,
     "_compile.py": COMPILE,
+    "_compat.py": COMPILE,
     "_bucketing.py": SCHEDULE,
     "_record.py": SCHEDULE,
     "_schedule.py": SCHEDULE,
@@ -67,7 +69,7 @@ AREAS = {
 
 # Sites whose message is not written at the raise: "file::qualified function" -> (type, phrases).
 INDIRECT = {
-    "_dtensor.py::to_local": ("NotImplementedError", ["transforms over DTensor trees"]),
+    "_dtensor.py::locals_of": ("NotImplementedError", ["transforms over DTensor trees"]),
     "_compile.py::refuse_while_tracing": ("RuntimeError", ["was created inside a function"]),
     "_consensus.py::agree": ("ValueError", ["ranks disagree"]),  # built by _message
     "testing/_pool.py::Pool._results": ("RankError", ["failed on rank", "did not finish"]),

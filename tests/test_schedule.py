@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 import funcshard as fs
 from funcshard._profiling import peak_bytes, span
 
-from _comm import counts
+from _comm import Collectives, counts
 from _mesh import mesh
 from _models import Block, Wide, WideBlock, lm_loss, make, reference_step, shard_of, tokens
 
@@ -545,3 +545,25 @@ def dtensor_and_shard_gradients_add():
 def test_dtensor_and_shard_gradients_add(world2):
     for r in world2.run(dtensor_and_shard_gradients_add):
         assert all(r.values()), r
+
+
+def one_rank_step():
+    """A scheduled step, unshard and reduce on one rank: no collective; values as unsharded."""
+    model, sharded, buffers, plan = _setup()
+    batch = tokens(0)
+    ref_loss, ref, _ = reference_step(make(layers=2), [batch])
+    apply = fs.schedule(model, plan)
+    with Collectives() as comm:
+        loss, grads = fs.value_and_grad(lambda p: lm_loss(apply(p, batch, buffers=buffers), batch))(
+            sharded
+        )
+        full = fs.unshard(sharded)
+        fs.reduce({k: torch.ones_like(v) for k, v in full.items()}, sharded)
+    return len(comm.sent), (loss - ref_loss).abs().item(), _err(grads, ref)
+
+
+def test_world_size_one_issues_no_collectives(world1):
+    """As FSDP2 at world size 1 (see [Note: one rank communicates nothing])."""
+    sent, loss_err, grad_err = world1.run(one_rank_step)[0]
+    assert sent == 0
+    assert loss_err < 1e-6 and grad_err < 1e-6

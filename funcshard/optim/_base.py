@@ -22,6 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .._compile import traced
+from .._dtensor import placed_like
 from .._tree import PyTree, flatten, flatten_like, unflatten
 
 InitFn = Callable[[PyTree], Any]
@@ -69,16 +70,7 @@ def local(x: torch.Tensor) -> torch.Tensor:
 
 def wrap(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``t`` (a local tensor) as a tensor placed like ``like``: a DTensor if ``like`` is one."""
-    if not isinstance(like, DTensor):
-        return t
-    return DTensor.from_local(
-        t,
-        like.device_mesh,
-        like.placements,
-        run_check=False,
-        shape=like.shape,
-        stride=like.stride(),
-    )
+    return placed_like(t, like) if isinstance(like, DTensor) else t
 
 
 def leaves_like(tree: PyTree, like: PyTree, what: str, like_what: str) -> list[Any]:

@@ -7,7 +7,7 @@ import torch
 from .. import _flat
 from .._compile import traced
 from .._consensus import agree
-from .._dtensor import from_local, unwrap
+from .._dtensor import dtensors_of, unwrap
 from .._spec import LocalShard, ShardSpec, spec_of
 from .._tree import PyTree, flatten, flatten_like, unflatten
 from ._unshard import reduce_mean
@@ -77,7 +77,7 @@ def _like(outs: list[torch.Tensor], leaves) -> list:
     torch.func wrappers; see [Note: DTensor trees inside torch.func]), in one call."""
     dtensors = [i for i, leaf in enumerate(leaves) if not isinstance(leaf, LocalShard)]
     specs = [ShardSpec.of(unwrap(leaves[i])) for i in dtensors]
-    made = from_local([outs[i] for i in dtensors], specs)
+    made = dtensors_of([outs[i] for i in dtensors], specs)
     result = [LocalShard(out, leaf.spec) if isinstance(leaf, LocalShard) else None
               for out, leaf in zip(outs, leaves, strict=True)]  # fmt: skip
     for i, d in zip(dtensors, made, strict=True):

@@ -1,0 +1,207 @@
+"""Part ``host``: the host's cost per block of a training step, where compute is negligible.
+
+A Llama-style decoder (RMSNorm, attention through SDPA with rotary embeddings, SwiGLU, untied
+head) with tiny blocks (width 32, a batch of 1x8 tokens) on ONE gloo rank: every block's step is
+Python and dispatch, as on a GPU that waits for the host. Each framework trains at two depths;
+the slope between them is the cost of one block (forward + backward, and an AdamW step), the
+intercept the rest. Plain torch (no sharding) is the floor; FSDP2 (``fully_shard`` per block and
+the root) the peer; funcshard ``fs.schedule`` + ``fs.value_and_grad`` + ``fs.optim.step`` with
+one group per block. Wall time per step and the step thread's CPU time, medians over rounds.
+
+    OMP_NUM_THREADS=1 python -m benchmarks.host           # prints a table, writes host.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import funcshard as fs
+
+from . import harness
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+def _rotary(x, cos, sin):
+    a, b = x.chunk(2, -1)
+    return torch.cat((a * cos - b * sin, a * sin + b * cos), -1)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.attn_norm = RMSNorm(d)
+        self.wq, self.wk = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
+        self.wv, self.wo = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
+        self.mlp_norm = RMSNorm(d)
+        self.w1, self.w3 = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, 3 * d, bias=False)
+        self.w2 = nn.Linear(3 * d, d, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, d = x.shape
+        h = self.attn_norm(x)
+        q, k, v = (
+            w(h).view(b, t, self.heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv)
+        )
+        q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.wo(a.transpose(1, 2).reshape(b, t, d))
+        h = self.mlp_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, layers: int, d: int = 32, heads: int = 2, vocab: int = 64, seq: int = 8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(LlamaBlock(d, heads) for _ in range(layers))
+        self.norm = RMSNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        half = d // heads // 2
+        freqs = torch.outer(torch.arange(seq).float(), 1e4 ** (-torch.arange(half).float() / half))
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, tokens):
+        t = tokens.shape[1]
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h, self.cos[:t], self.sin[:t])
+        return self.head(self.norm(h))
+
+
+def _loss(logits, tokens):
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def _build(layers: int) -> Llama:
+    torch.manual_seed(0)
+    return Llama(layers)
+
+
+def plain(layers: int, mesh):
+    model = _build(layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(tokens):
+        _loss(model(tokens), tokens).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def fsdp2(layers: int, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    model = _build(layers)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(tokens):
+        _loss(model(tokens), tokens).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def funcshard(layers: int, mesh):
+    model = _build(layers)
+    params, buffers = fs.extract(model)
+    box = {"params": fs.shard(params, mesh)}
+    plan = fs.plan(model, fs.policy.by_type(LlamaBlock))
+    model.to("meta")
+    apply = fs.schedule(model, plan)
+    opt = fs.optim.adamw(1e-3)
+    box["state"] = opt.init(box["params"])
+    value_and_grad = fs.value_and_grad(lambda p, t: _loss(apply(p, t, buffers=buffers), t))
+
+    def step(tokens):
+        _, grads = value_and_grad(box["params"], tokens)
+        box["params"], box["state"] = fs.optim.step(opt, box["params"], grads, box["state"])
+
+    return step
+
+
+FRAMEWORKS = {"plain torch": plain, "FSDP2": fsdp2, "funcshard": funcshard}
+
+
+def measure(depths=(4, 16), rounds: int = 30, warmup: int = 5) -> dict[str, Any]:
+    """Median wall and thread-CPU ms per step for each framework and depth, alternating."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1,))
+    tokens = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+    steps = {(name, d): make(d, mesh) for name, make in FRAMEWORKS.items() for d in depths}
+    wall: dict[Any, list[float]] = {k: [] for k in steps}
+    cpu: dict[Any, list[float]] = {k: [] for k in steps}
+    keys = list(steps)
+    for i in range(warmup + rounds):
+        k = i % len(keys)
+        for key in keys[k:] + keys[:k]:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            steps[key](tokens)
+            t1, c1 = time.perf_counter(), time.thread_time()
+            if i >= warmup:
+                wall[key].append(t1 - t0)
+                cpu[key].append(c1 - c0)
+    lo, hi = min(depths), max(depths)
+    rows = {}
+    for name in FRAMEWORKS:
+        med = {d: 1e3 * statistics.median(wall[(name, d)]) for d in depths}
+        cmed = {d: 1e3 * statistics.median(cpu[(name, d)]) for d in depths}
+        rows[name] = {
+            "ms_per_step": med,
+            "cpu_ms_per_step": cmed,
+            "ms_per_block": (med[hi] - med[lo]) / (hi - lo),
+            "cpu_ms_per_block": (cmed[hi] - cmed[lo]) / (hi - lo),
+        }
+    for row in rows.values():
+        row["per_block_vs_fsdp2"] = row["ms_per_block"] / rows["FSDP2"]["ms_per_block"]
+        row["per_block_vs_plain"] = row["ms_per_block"] / rows["plain torch"]["ms_per_block"]
+    return {"depths": list(depths), "rounds": rounds, "rows": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        result = measure(rounds=3 if args.quick else args.rounds, warmup=1 if args.quick else 5)
+    finally:
+        dist.destroy_process_group()
+    result["machine"] = harness.machine(torch.device("cpu"))
+    print(f"{'':14}{'ms/block':>10}{'cpu ms/block':>14}{'x FSDP2':>9}{'x plain':>9}")
+    for name, row in result["rows"].items():
+        print(f"{name:14}{row['ms_per_block']:10.3f}{row['cpu_ms_per_block']:14.3f}"
+              f"{row['per_block_vs_fsdp2']:9.2f}{row['per_block_vs_plain']:9.2f}")  # fmt: skip
+    if not args.quick:
+        harness.write("host", result)
+
+
+if __name__ == "__main__":
+    main()

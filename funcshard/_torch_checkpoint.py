@@ -1,0 +1,121 @@
+"""``torch.utils.checkpoint`` inside a funcshard call: the recompute sees the call's parameters.
+
+[Note: activation checkpointing inside a funcshard call]
+Non-reentrant ``torch.utils.checkpoint`` (what Hugging Face's ``gradient_checkpointing_enable()``
+and torchtitan's checkpoint wrapper use) runs a region's forward without keeping its activations
+and, in backward, runs the *same function* again: ``layer.__call__`` reads ``self.weight`` from
+the module at that time. funcshard calls a module with parameters swapped in for the duration
+of the call only (``functional_call``), so by backward the module holds its own tensors again:
+meta tensors (the documented pattern) or stale ones (silently wrong gradients once the shards
+have moved on).
+
+So each checkpoint region that runs inside a funcshard call is *bound* to that call: its frame's
+recompute function is wrapped to run with the call's parameters swapped in again (``rebind``).
+Only values matter there: the recompute provides saved tensors to the nodes recorded in forward,
+whose edges already lead to the call's parameters, so gradients flow where they did in forward.
+Under :func:`~funcshard.schedule` the parameters swapped in are the call's ``Deferred``
+placeholders, so the recompute re-gathers its group through the plan's backward steps: the same
+single all-gather per group in backward that saved tensors would trigger.
+
+A region is found when it runs: the innermost saved-tensor hooks during a checkpointed forward are
+the region's own, and their closure holds its frame. ``schedule`` looks when a parameter is
+resolved (every region that uses a parameter resolves one inside it); ``functional_call`` with
+plain tensors looks when a module is called inside the region. This file is the only place that
+relies on how ``torch.utils.checkpoint`` stores its frames (``tests/test_torch_private.py``).
+
+``use_reentrant=True`` checkpoints run their forward under ``no_grad`` and differentiate the
+recompute separately; they are refused (``check_not_reentrant``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import checkpoint as _ckpt
+
+_Rebind = Callable[[], contextlib.AbstractContextManager]
+
+
+def current_frame(skip_owner: object = None) -> Any:
+    """The frame of the innermost non-reentrant checkpoint region running its forward, or
+    ``None``. ``skip_owner``: saved-tensor hooks bound to this object are not a region."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is None:
+        return None
+    pack = hooks[0]
+    if skip_owner is not None and getattr(pack, "__self__", None) is skip_owner:
+        return None
+    for cell in getattr(pack, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, _ckpt._CheckpointFrame):
+            return value
+    return None
+
+
+def bind(frame: Any, rebind: _Rebind) -> None:
+    """Make ``frame``'s recompute run inside ``rebind()`` (once per frame: the first binding,
+    made by the innermost funcshard call that sees the region, wins)."""
+    original = frame.recompute_fn
+    if getattr(original, "_funcshard_bound", False):
+        return
+
+    def recompute(*args: Any) -> None:
+        with rebind():
+            original(*args)
+
+    recompute._funcshard_bound = True  # type: ignore[attr-defined]
+    frame.recompute_fn = recompute
+
+
+def reparametrized(module: nn.Module, slots: dict[str, Any]) -> contextlib.AbstractContextManager:
+    """``module`` with ``slots`` swapped in (one name per slot, see ``_extract._one_per_slot``)
+    until the context exits: what ``torch.func.functional_call`` does around its call."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    return _reparametrize_module(module, slots, tie_weights=False, strict=False)
+
+
+@contextlib.contextmanager
+def binding_regions(rebind: _Rebind) -> Iterator[None]:
+    """While active, each checkpoint region in which a module is called is bound to ``rebind``
+    (for ``functional_call`` with plain tensors, which has no per-parameter interception)."""
+
+    def pre_hook(module: nn.Module, args: Any) -> None:
+        frame = current_frame()
+        if frame is not None:
+            bind(frame, rebind)
+        else:
+            check_not_reentrant()
+
+    handle = nn.modules.module.register_module_forward_pre_hook(pre_hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def check_not_reentrant() -> None:
+    """Raises ``RuntimeError`` in the forward of a ``use_reentrant=True`` checkpoint (which turns
+    grad mode off: looked for on the Python stack only then)."""
+    if torch.is_grad_enabled():
+        return
+    forward = _ckpt.CheckpointFunction.forward.__code__
+    f = sys._getframe(1)
+    while f is not None and f.f_code is not forward:
+        f = f.f_back
+    if f is not None:
+        raise RuntimeError(
+            "activation checkpointing with use_reentrant=True is not supported inside a funcshard "
+            "call (its recompute is differentiated apart from the graph, so the shards would get "
+            "no gradient). Use torch.utils.checkpoint(..., use_reentrant=False); for Hugging Face "
+            "models model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+            "{'use_reentrant': False}); or the plan's own recompute (docs/schedule.md)."
+        )
