@@ -65,6 +65,14 @@ def agree(fn: str, leaves: Sequence[Leaf], options: tuple = ()) -> None:
     raise ValueError(_message(fn, everyone))
 
 
+def each_rank(what: str, value: str) -> list[str]:
+    """Every rank's ``value``, in rank order (``[value]`` without a process group), through the
+    store: no collective. All ranks must call it at the same point."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    return [v.decode() for v in _exchange(what, value.encode())]
+
+
 def leaf(path: str, spec: ShardSpec, local: torch.Tensor) -> Leaf:
     """The entry of a shard whose gradient flows back through the collectives if it requires
     grad (see [Note: frozen leaves] in ``_autodiff``)."""

@@ -50,6 +50,7 @@ AREAS = {
     "transforms/_unshard.py": GRADIENTS,
     "transforms/_reduce.py": GRADIENTS,
     "_extract.py": MODULES,
+    "_meta.py": MODULES,
     "_torch_checkpoint.py": MODULES,
     "_grouping.py": SCHEDULE,
     "_plan.py": SCHEDULE,
@@ -69,7 +70,7 @@ AREAS = {
 # Sites whose message is not written at the raise: "file::qualified function" -> (type, phrases).
 INDIRECT = {
     "_dtensor.py::locals_of": ("NotImplementedError", ["transforms over DTensor trees"]),
-    "_compile.py::traced": ("RuntimeError", ["was created inside a function"]),  # .format
+    "_compile.py::refuse_while_tracing": ("RuntimeError", ["was created inside a function"]),
     "_consensus.py::agree": ("ValueError", ["ranks disagree"]),  # built by _message
     "testing/_pool.py::Pool._results": ("RankError", ["failed on rank", "did not finish"]),
     "checkpoint/_comm.py::all_ok": ("RuntimeError", ["Saving wait"]),  # "rank r: <error>"
