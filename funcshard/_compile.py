@@ -41,7 +41,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ._compat import require_2_13
+from ._compat import HAS_2_13, needs_2_13
 
 F = TypeVar("F", bound=Callable)
 _NUMBERS = itertools.count()
@@ -84,7 +84,8 @@ def traced(fn: F) -> F:
     def call(*args, **kwargs):
         if not torch.compiler.is_dynamo_compiling():
             return fn(*args, **kwargs)
-        require_2_13(f"funcshard's {name} under torch.compile")
+        if not HAS_2_13:
+            refuse_while_tracing(needs_2_13(f"funcshard's {name} under torch.compile"))
         return _ungraphed(opaque(*_encoded(args), **_encoded(kwargs)))
 
     return functools.wraps(fn)(_own_code(call, name))  # type: ignore[return-value]

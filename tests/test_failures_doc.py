@@ -70,7 +70,10 @@ AREAS = {
 # Sites whose message is not written at the raise: "file::qualified function" -> (type, phrases).
 INDIRECT = {
     "_dtensor.py::locals_of": ("NotImplementedError", ["transforms over DTensor trees"]),
-    "_compile.py::refuse_while_tracing": ("RuntimeError", ["was created inside a function"]),
+    "_compile.py::refuse_while_tracing": (
+        "RuntimeError",
+        ["was created inside a function", "under torch.compile needs torch >= 2.13"],
+    ),
     "_consensus.py::agree": ("ValueError", ["ranks disagree"]),  # built by _message
     "testing/_pool.py::Pool._results": ("RankError", ["failed on rank", "did not finish"]),
     "checkpoint/_comm.py::all_ok": ("RuntimeError", ["Saving wait"]),  # "rank r: <error>"
