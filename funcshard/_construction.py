@@ -34,10 +34,11 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 
 class _Op(NamedTuple):
-    func: Any  # an aten OpOverload: a factory, or in place on its first argument
+    func: Any  # an aten OpOverload (a factory, or in place on its first argument) or nn.init's
     shape: tuple[int, ...]  # the shape it was applied at
     args: tuple  # the arguments after the first (a factory: all)
     kwargs: dict
+    factory: bool = False
 
 
 class _Record(NamedTuple):
@@ -77,20 +78,83 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, records: dict) -> None:
         super().__init__()
         self.records = records
+        self.read: set[torch.UntypedStorage] = set()  # meta storages that ops take as input
+        self.patched: list = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         target = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if target is not None and target.is_meta and _writes_first(func):
-            storage = target.untyped_storage()
-            rec = self.records.setdefault(storage, _Record(storage, None, []))
-            replayable = _whole(target) and not _has_meta(args[1:], kwargs)
-            rec.writes.append(_op(func, target.shape, args[1:], kwargs) if replayable else None)
+        writes = target is not None and target.is_meta and _writes_first(func)
+        if not func.is_view:
+            inputs = tree_flatten((args[1:] if writes else args, kwargs))[0]
+            self.read |= {x.untyped_storage() for x in inputs if _is_meta(x)}
+        if writes:
+            replayable = not _has_meta(args[1:], kwargs)
+            self.write(target, _op(func, target.shape, args[1:], kwargs) if replayable else None)
         elif _is_factory(func, args, kwargs, out):
             storage = out.untyped_storage()
-            self.records[storage] = _Record(storage, _op(func, out.shape, args, kwargs), [])
+            op = _op(func, out.shape, args, kwargs)._replace(factory=True)
+            self.records[storage] = _Record(storage, op, [])
         return out
+
+    def write(self, target: torch.Tensor, op: _Op | None) -> None:
+        storage = target.untyped_storage()
+        rec = self.records.setdefault(storage, _Record(storage, None, []))
+        rec.writes.append(op if _whole(target) else None)
+
+    def __enter__(self):
+        self.patched = [(name, getattr(torch.nn.init, name)) for name in _SKIP_META]
+        for name, _ in self.patched:
+            setattr(torch.nn.init, name, _SKIP_META[name](self))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            for name, fn in self.patched:
+                setattr(torch.nn.init, name, fn)
+
+
+def _trunc_normal(recorder: _Recorder):
+    """``nn.init``'s truncated normal, which returns early on meta tensors (no op, no version
+    bump): on meta, recorded as a call of ``nn.init.trunc_normal_``, replayed as one."""
+    original = torch.nn.init._no_grad_trunc_normal_
+
+    def trunc_normal(tensor, mean, std, a, b, generator=None):
+        if not tensor.is_meta:
+            return original(tensor, mean, std, a, b, generator=generator)
+        kwargs = {"mean": mean, "std": std, "a": a, "b": b}
+        op = _Op(_TRUNC_NORMAL, tuple(tensor.shape), (), kwargs)
+        recorder.write(tensor, op if generator is None else None)
+        return tensor
+
+    return trunc_normal
+
+
+def _orthogonal(recorder: _Recorder):
+    """``nn.init.orthogonal_``, a no-op on meta tensors: recorded as a call, replayed as one."""
+
+    def orthogonal(tensor, gain=1, generator=None):
+        if not tensor.is_meta:
+            return _ORTHOGONAL(tensor, gain, generator=generator)
+        op = _Op(_ORTHOGONAL, tuple(tensor.shape), (), {"gain": gain})
+        recorder.write(tensor, op if generator is None else None)
+        return tensor
+
+    return orthogonal
+
+
+# [Note: nn.init on meta] torch.nn.init's trunc_normal_ (through this helper, which every caller
+# reaches, even one holding its own reference to trunc_normal_) and orthogonal_ (only callers
+# that look it up on torch.nn.init) do nothing on meta tensors, so neither the dispatch mode nor a
+# version counter sees them: while recording, torch.nn.init's attributes are swapped for
+# recording versions (tests/test_materialize_models.py::test_on_meta_records_nn_init fails loudly
+# if torch renames them).
+_TRUNC_NORMAL = torch.nn.init.trunc_normal_
+_ORTHOGONAL = torch.nn.init.orthogonal_
+_SKIP_META = {"_no_grad_trunc_normal_": _trunc_normal, "orthogonal_": _orthogonal}
 
 
 def _writes_first(func) -> bool:
@@ -119,8 +183,11 @@ def _whole(t: torch.Tensor) -> bool:
 
 
 def _has_meta(args, kwargs) -> bool:
-    leaves, _ = tree_flatten((args, kwargs))
-    return any(isinstance(x, torch.Tensor) and x.is_meta for x in leaves)
+    return any(_is_meta(x) for x in tree_flatten((args, kwargs))[0])
+
+
+def _is_meta(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_meta
 
 
 def _op(func, shape, args, kwargs) -> _Op:
@@ -144,8 +211,8 @@ def replay(ops: list[_Op], value: torch.Tensor) -> None:
     with torch.no_grad():
         for op in ops:
             args, kwargs = tree_map(to, op.args), tree_map(to, op.kwargs)
-            if _writes_first(op.func):
-                op.func(value.view(op.shape), *args, **kwargs)
-            else:  # the factory
+            if op.factory:
                 made = op.func(*args, **{**kwargs, "device": value.device})
                 value.view(op.shape).copy_(made)
+            else:
+                op.func(value.view(op.shape), *args, **kwargs)

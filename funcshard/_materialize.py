@@ -160,26 +160,23 @@ def _values(
     ``unreplayed`` the tensors whose construction wrote them beyond ``reset_parameters()``
     and could not be replayed."""
     steps, first, final = plan.steps, plan.first, plan.final
-    starts = _reset_starts(steps, device) if init is not None else None
+    starts = _reset_starts(plan, device, construction) if init is not None else None
     cursor = _rng_state(device)  # with init: where init's draws have got to
     held: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}  # value, fresh, its version
     replayed = {s.fqn for st in steps for s in st.slots if s.canonical in plan.deferred}
     for i, step in enumerate(steps):
-        if starts is not None:
+        if starts is not None and starts[i] is not None:
             _set_rng_state(device, starts[i])
         fresh = {s.fqn: _fresh(s.meta, device) for s in step.slots}
         fresh.update({s.fqn: held[s.canonical][0] for s in step.foreign})
         exposed = [*step.slots, *step.foreign]
         with _swapped(exposed, fresh), _lost_writes_warning(step, replayed):
-            versions = {s.fqn: fresh[s.fqn]._version for s in step.slots}
-            _reset(step)
+            versions, bad = _construct(i, step, fresh, first, construction)
+            unreplayed += [(step, s) for s in bad]
             _take_assigned(step, step.foreign, held)
             for s in step.slots:
                 if first[s.canonical] == (i, s.fqn):
-                    value, writes = fresh[s.fqn], fresh[s.fqn]._version - versions[s.fqn]
-                    if not _replay_construction(step, s, value, writes, construction):
-                        unreplayed.append((step, s))
-                    held[s.canonical] = (value, value, versions[s.fqn])
+                    held[s.canonical] = (fresh[s.fqn], fresh[s.fqn], versions[s.fqn])
             if init is not None:
                 _set_rng_state(device, cursor)
                 for s in exposed:  # the value itself, shared by every holder of a tie
@@ -225,15 +222,33 @@ def _replay_construction(
     return not (has_reset and s.meta._version > reset_writes)
 
 
-def _reset_starts(steps: list[_Step], device: torch.device) -> list[list[torch.Tensor]]:
-    """The random state before each step's ``reset_parameters()`` (the first pass of
-    [Note: init after every reset]); leaves the state after the last one."""
+def _construct(i: int, step: _Step, fresh: dict, first: dict, construction):
+    """``step``'s ``reset_parameters()`` on the ``fresh`` tensors swapped in, then the replay of
+    what construction did beyond it; returns the versions before, and the slots whose
+    construction could not be replayed."""
+    versions = {s.fqn: fresh[s.fqn]._version for s in step.slots}
+    _reset(step)
+    bad = []
+    for s in step.slots:
+        if first[s.canonical] == (i, s.fqn):
+            writes = fresh[s.fqn]._version - versions[s.fqn]
+            if not _replay_construction(step, s, fresh[s.fqn], writes, construction):
+                bad.append(s)
+    return versions, bad
+
+
+def _reset_starts(plan: _Plan, device: torch.device, construction) -> list:
+    """The random state before each step's ``reset_parameters()`` and construction replay
+    (``None`` for a step without tensors of its own: the first pass of [Note: init after every
+    reset]); leaves the state after the last one."""
     starts = []
-    for step in steps:
-        starts.append(_rng_state(device))
+    for i, step in enumerate(plan.steps):
+        starts.append(_rng_state(device) if step.slots else None)
         exposed = [*step.slots, *step.foreign]
-        with _swapped(exposed, {s.fqn: _fresh(s.meta, device) for s in exposed}):
-            _reset(step)
+        fresh = {s.fqn: _fresh(s.meta, device) for s in exposed}
+        with _swapped(exposed, fresh):
+            _construct(i, step, fresh, plan.first, construction)
+        del fresh
     return starts
 
 

@@ -133,9 +133,9 @@ def _below(steps: list[_Step]) -> list[list[_Slot]]:
 
 
 def _dry_run(steps: list[_Step], init):
-    """``writers``: canonical -> [(step, its recorded ops, or None if not replayable)] for the
-    submodules' tensors each step writes; ``rewritten``: the canonicals that any ``init``, or an
-    ancestor's ``reset_parameters()``, writes."""
+    """``writers``: canonical -> [(step, its recorded ops, or None if not replayable or read)]
+    for the submodules' tensors each step writes or reads; ``rewritten``: the canonicals that
+    any ``init``, or an ancestor's ``reset_parameters()``, writes."""
     every = [s for st in steps for s in st.slots]
     scratch: dict[str, torch.Tensor] = {}
     for s in every:
@@ -149,22 +149,24 @@ def _dry_run(steps: list[_Step], init):
             if init is not None:
                 calls.append((lambda st=st: _call(init, st), True))
             for call, is_init in calls:
-                written = _writes_of(call, [*st.slots, *below])
+                written, read = _writes_of(call, [*st.slots, *below])
                 rewritten |= set(written) if is_init else set(written) - own
-                for c, ops in written.items():
+                touched = {**written, **dict.fromkeys(read)}  # a read needs the value real
+                for c, ops in touched.items():
                     if c not in own:
                         writers.setdefault(c, []).append((i, ops))
     return writers, rewritten
 
 
-def _writes_of(call: Callable[[], None], slots: list[_Slot]) -> dict[str, list[_Op] | None]:
-    """canonical -> the ops ``call`` applied (``None``: not replayable) for the ``slots`` it
-    writes in place or assigns; assigned tensors are put back."""
+def _writes_of(call: Callable[[], None], slots: list[_Slot]):
+    """``(written, read)``: canonical -> the ops ``call`` applied to it, for the ``slots`` it
+    writes in place or assigns (assigned tensors are put back; ``None``: cannot be replayed), and
+    the canonicals whose values it reads (they must be real when ``call`` runs)."""
     before = [(s, getattr(s.module, s.kind)[s.name]) for s in slots]
     versions = [t._version for _, t in before]
-    records: dict = {}
+    recorder = _Recorder({})
     try:
-        with _Recorder(records):
+        with recorder:
             call()
     except Exception as e:
         e.add_note(
@@ -173,15 +175,18 @@ def _writes_of(call: Callable[[], None], slots: list[_Slot]) -> dict[str, list[_
             "find which tensors each writes: it must run there too."
         )
         raise
-    written = {}
+    written, read = {}, set()
     for (s, t), v in zip(before, versions, strict=True):
         assigned = getattr(s.module, s.kind).get(s.name) is not t
-        if assigned or t._version != v:
-            getattr(s.module, s.kind)[s.name] = t
-            rec = records.get(t.untyped_storage())
-            ok = not assigned and rec is not None and rec.writes and None not in rec.writes
-            written[s.canonical] = list(rec.writes) if ok else None
-    return written
+        getattr(s.module, s.kind)[s.name] = t
+        rec = recorder.records.get(t.untyped_storage())
+        writes = list(rec.writes) if rec is not None else []
+        if assigned or t._version != v or writes:
+            replayable = writes and None not in writes and not assigned
+            written[s.canonical] = writes if replayable else None
+        if t.untyped_storage() in recorder.read:
+            read.add(s.canonical)
+    return written, read
 
 
 def _call(init, step: _Step) -> None:
