@@ -302,15 +302,16 @@ def _warn_unreplayed(unreplayed: list[tuple[_Step, _Slot]], construction) -> Non
         return
     names = list(dict.fromkeys(step.name or "<root>" for step, _ in unreplayed))
     shown = ", ".join(names[:4]) + (f" (+{len(names) - 4} more)" if len(names) > 4 else "")
-    fix = (
-        "build it under `with fs.on_meta() as construction:` and pass construction="
-        if construction is None
-        else "write them from the module that owns them, or in init="
-    )
+    if construction is None:
+        why = "the meta device keeps no record of what, so they may differ from the normal build"
+        fix = "build it under `with fs.on_meta() as construction:` and pass construction="
+    else:
+        why = "it wrote part of a tensor, or from another one: that is not replayed, so they differ"
+        fix = "do that in init="
     warnings.warn(
         f"funcshard.materialize: the tensors of {shown} were initialised while built by "
-        f"something other than their reset_parameters() (a parent's __init__?), which cannot be "
-        f"replayed: they differ from the normal build. To fix: {fix}.",
+        f"something other than their reset_parameters() (a parent's __init__?); {why}. To fix: "
+        f"{fix}.",
         stacklevel=3,
     )
 

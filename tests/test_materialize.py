@@ -345,10 +345,10 @@ def memory(layers, with_init):
     d = 256
     with torch.device("meta"):
         model = nn.Sequential(*(nn.Linear(d, d) for _ in range(layers)))
+
     def init(name, mod):
         if isinstance(mod, nn.Linear):
             nn.init.normal_(mod.weight, std=0.02)
-
 
     init = init if with_init else None
     peak, (sharded, _) = peak_bytes(lambda: fs.materialize(model, m, init=init))

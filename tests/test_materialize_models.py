@@ -339,3 +339,26 @@ def test_on_meta_records_nn_init():
     made, writes = recorded(construction, lin.weight)
     assert [op.func for op in writes[1:]] == [nn.init.trunc_normal_, nn.init.orthogonal_]
     assert writes[1].kwargs == {"mean": 0.0, "std": 0.02, "a": -2.0, "b": 2.0}
+
+
+class PartialReinit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        with torch.no_grad():
+            self.lin.bias[0].fill_(1.0)  # part of a tensor: recorded, not replayable
+
+
+def partial_write():
+    with fs.on_meta() as construction:
+        meta = PartialReinit()
+    return materialized(meta, construction=construction)[2]
+
+
+def test_unreplayable_construction_is_named(world1):
+    (messages,) = world1.run(partial_write)
+    assert len(messages) == 1 and messages[0].startswith(
+        "funcshard.materialize: the tensors of lin were initialised while built"
+    )
+    assert "it wrote part of a tensor, or from another one" in messages[0]
+    assert "To fix: do that in init=." in messages[0]
