@@ -28,7 +28,9 @@ constructor] in ``_construction.py``). Both shift every later draw.
 construction's draws come before any of ``init``'s. So with ``init`` there are two passes. The
 first runs every ``reset_parameters()`` (one module at a time, results dropped) only to note the
 random state before each; the second replays each module's reset from its noted state, switches
-to where ``init``'s draws have got to, and calls ``init``. A tied tensor is one tensor for
+to where ``init``'s draws have got to, and calls ``init``. (The first pass also replays what
+``fs.on_meta`` recorded, whose draws follow the module's reset: otherwise they would reuse the
+next module's numbers.) A tied tensor is one tensor for
 ``init`` (as in the built model), so it stays whole until its last holder's ``init`` has run;
 during ``reset_parameters()``, holders after the first get a scratch copy, as they had their own
 tensor while being built (a tie is made after both modules exist).

@@ -325,6 +325,11 @@ def errors():
             "shape (3, 4)",
         ),
         raises(lambda: fs.materialize(meta(), m, init="normal"), TypeError, "init"),
+        raises(
+            lambda: fs.materialize(meta(), m, construction={}),
+            TypeError,
+            "construction must be what `with fs.on_meta() as construction:` gave, got dict",
+        ),
         raises(lambda: fs.materialize({"w": torch.ones(2)}, m), TypeError, "nn.Module"),
     ]
     net = meta(Net)
