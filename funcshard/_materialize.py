@@ -124,11 +124,11 @@ def materialize(
     # placements are checked (and a callable called) once, up front, on the meta tensors
     placed = {k: v.placements for k, v in shard(params, mesh, placements).items()}
     plan = _plan(steps, init)
-    done, unreplayed = {}, []
+    done, unreplayed = {}, {}
     for fqn, full in _values(plan, _device(mesh), init, construction, unreplayed):
         done[fqn] = shard({fqn: full}, mesh, placed[fqn])[fqn] if fqn in params else full
         del full
-    _warn_unreplayed([u for u in unreplayed if u[1].canonical not in plan.rewritten], construction)
+    _warn_unreplayed([u for c, u in unreplayed.items() if c not in plan.rewritten], construction)
     return {k: done[k] for k in params}, {k: done[k] for k in buffers}
 
 
@@ -156,11 +156,11 @@ def _values(
     device: torch.device,
     init,
     construction: Construction | None,
-    unreplayed: list[tuple[_Step, _Slot]],
+    unreplayed: dict[str, tuple[_Step, _Slot]],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(canonical fqn, full value)`` for every value, once no later step touches it; notes in
-    ``unreplayed`` the tensors whose construction wrote them beyond ``reset_parameters()``
-    and could not be replayed."""
+    ``unreplayed`` the tensors whose construction wrote them beyond ``reset_parameters()``,
+    could not be replayed, and that their own module's ``init`` does not write."""
     steps, first, final = plan.steps, plan.first, plan.final
     starts = _reset_starts(plan, device, construction) if init is not None else None
     cursor = _rng_state(device)  # with init: where init's draws have got to
@@ -174,7 +174,7 @@ def _values(
         exposed = [*step.slots, *step.foreign]
         with _swapped(exposed, fresh), _lost_writes_warning(step, replayed):
             versions, bad = _construct(i, step, fresh, first, construction)
-            unreplayed += [(step, s) for s in bad]
+            unreplayed.update({s.canonical: (step, s) for s in bad})
             _take_assigned(step, step.foreign, held)
             for s in step.slots:
                 if first[s.canonical] == (i, s.fqn):
@@ -183,8 +183,8 @@ def _values(
                 _set_rng_state(device, cursor)
                 for s in exposed:  # the value itself, shared by every holder of a tie
                     getattr(s.module, s.kind)[s.name] = held[s.canonical][0]
-                _call(init, step)
-                _take_assigned(step, exposed, held)
+                for c in _init(step, init, exposed, held):
+                    unreplayed.pop(c, None)  # init wrote it: what construction did is moot
             for c in dict.fromkeys(s.canonical for s in exposed):
                 if final[c] == i and c in plan.deferred:  # see [Note: writes into submodules]
                     replay(plan.deferred[c], held[c][0])
@@ -198,6 +198,14 @@ def _values(
                 del value, poisoned
     if starts is not None:
         _set_rng_state(device, cursor)
+
+
+def _init(step: _Step, init, exposed: list[_Slot], held: dict) -> set[str]:
+    """Call ``init`` on ``step``'s module; the canonical fqns of the held values it wrote."""
+    before = {c: (held[c][0], held[c][0]._version) for c in held}
+    _call(init, step)
+    _take_assigned(step, exposed, held)
+    return {c for c, (t, v) in before.items() if held[c][0] is not t or t._version != v}
 
 
 def _take_assigned(step: _Step, slots, held) -> None:

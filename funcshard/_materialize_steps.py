@@ -52,7 +52,7 @@ class _Plan(NamedTuple):
     first: dict[str, tuple[int, str]]  # canonical -> (step, fqn) of its first holder
     final: dict[str, int]  # canonical -> the last step that needs it full
     deferred: dict[str, list[_Op]]  # canonical -> ancestors' writes, replayed at ``final``
-    rewritten: set[str]  # canonicals that an init, or an ancestor's reset_parameters(), writes
+    rewritten: set[str]  # canonicals that an ancestor's init or reset_parameters() writes
 
 
 def _steps(root: nn.Module, alias: dict[str, str], every: bool) -> list[_Step]:
@@ -134,8 +134,9 @@ def _below(steps: list[_Step]) -> list[list[_Slot]]:
 
 def _dry_run(steps: list[_Step], init):
     """``writers``: canonical -> [(step, its recorded ops, or None if not replayable or read)]
-    for the submodules' tensors each step writes or reads; ``rewritten``: the canonicals that
-    any ``init``, or an ancestor's ``reset_parameters()``, writes."""
+    for the submodules' tensors each step writes or reads; ``rewritten``: the canonicals that an
+    ancestor's ``init`` or ``reset_parameters()`` writes. Steps without submodules' tensors are
+    skipped (most modules: the dry run costs one pass over the containers)."""
     every = [s for st in steps for s in st.slots]
     scratch: dict[str, torch.Tensor] = {}
     for s in every:
@@ -144,13 +145,15 @@ def _dry_run(steps: list[_Step], init):
     rewritten: set[str] = set()
     with _swapped(every, {s.fqn: scratch[s.canonical] for s in every}):
         for i, (st, below) in enumerate(zip(steps, _below(steps), strict=True)):
+            if not below:  # writes into its own tensors are seen in the real pass
+                continue
             own = {s.canonical for s in st.slots}
-            calls = [(lambda st=st: _reset(st), False)] if st.slots else []
+            calls = [lambda st=st: _reset(st)] if st.slots else []
             if init is not None:
-                calls.append((lambda st=st: _call(init, st), True))
-            for call, is_init in calls:
-                written, read = _writes_of(call, [*st.slots, *below])
-                rewritten |= set(written) if is_init else set(written) - own
+                calls.append(lambda st=st: _call(init, st))
+            for call in calls:
+                written, read = _writes_of(call, below)
+                rewritten |= set(written)
                 touched = {**written, **dict.fromkeys(read)}  # a read needs the value real
                 for c, ops in touched.items():
                     if c not in own:
