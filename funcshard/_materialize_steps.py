@@ -3,18 +3,21 @@
 [Note: writes into submodules]
 Hugging Face's ``_init_weights`` runs on every module and sets ``module.c_proj.weight`` from
 ``GPT2Attention``, which owns no tensor itself; torchtitan's ``init_weights`` writes its layers'
-weights by name from the root. Before the real pass, every ``reset_parameters()`` and ``init``
-runs once on the meta module, with fresh meta tensors swapped in (no memory, no random draws, the
-module's own version counters untouched), under the recorder of ``on_meta`` (see [Note: recording
-a constructor] in ``_construction.py``): a bumped version counter or an assigned tensor says
-which tensors each call writes, and the record says how. A submodule's tensor that its ancestors
-write only by replayable ops (``normal_(std=...)``, ``fill_``, ``zero_``: whole tensor, no other
-meta tensor) gets those ops replayed at its own module's turn, right after its own ``init``: one
-module at a time still, and equal in distribution to the normal build followed by
-``model.apply(init)`` (the ancestors' draws come at another point of the stream). Otherwise
-(``w.copy_(other)``, a write to part of it, an assignment, or an ancestor that runs before a later
-holder of a tie) the tensor stays full until the last call that writes it and is swapped into its
-module for that call: the exact values of the normal build, at the cost of memory.
+weights by name from the root. Before the real pass, the ``reset_parameters()`` and ``init`` of
+every module with submodules' tensors run once on the meta module, with fresh meta tensors
+swapped in (no memory, no random draws, the module's own version counters untouched), under the
+recorder of ``on_meta`` (see [Note: recording a constructor] in ``_construction.py``): a bumped
+version counter, a record or an assigned tensor says which tensors each call writes, and the
+record says how; the recorder also notes the tensors a call reads. A submodule's tensor that its
+ancestors write only by replayable ops (``normal_(std=...)``, ``trunc_normal_``, ``fill_``: whole
+tensor, no other meta tensor) and do not read gets those ops replayed at its own module's turn,
+right after its own ``init``: one module at a time still, and equal in distribution to the
+normal build followed by ``model.apply(init)`` (the ancestors' draws come at another point of the
+stream). Otherwise (``w.copy_(other)``, a write to part of it, an assignment, a read, or an
+ancestor that runs before a later holder of a tie) the tensor stays full until the last call
+that touches it and is swapped into its module for that call: the exact values of the normal
+build, at the cost of memory. A module's writes into its own tensors need no dry run: the real
+pass sees them.
 """
 
 from __future__ import annotations
