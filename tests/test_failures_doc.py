@@ -62,6 +62,7 @@ AREAS = {
     "_collectives.py": TORCH_FUNC,
     "_flat.py": TORCH_FUNC,
     "_materialize.py": INIT,
+    "_materialize_steps.py": INIT,
     "optim/": OPTIM,
     "checkpoint/": CHECKPOINT,
     "testing/": TESTING,
