@@ -109,7 +109,8 @@ def materialize(
         UserWarning: once, naming the modules, when tensors were written while the module was
             built by something other than their ``reset_parameters()`` (a parent's ``__init__``)
             and neither ``construction`` nor ``init`` re-does it; or when a ``reset_parameters()``
-            / ``init`` wrote meta tensors it had not written in the dry run (lost).
+            / ``init`` wrote meta tensors it had not written in the dry run (lost); when
+            ``init`` is not given for a module with ``_init_weights`` (Hugging Face).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"materialize: module must be an nn.Module, got {type(module).__name__}.")
@@ -118,6 +119,14 @@ def materialize(
         raise TypeError(
             "materialize: construction must be what `with fs.on_meta() as construction:` gave, "
             f"got {type(construction).__name__}."
+        )
+    if init is None and callable(getattr(module, "_init_weights", None)):
+        warnings.warn(
+            f"materialize: {type(module).__name__} has _init_weights (a Hugging Face model), "
+            "whose initialisation does not run on meta tensors; its modules get their own "
+            "reset_parameters() only. Pass init=model._init_weights to reproduce the model's "
+            "initialisation.",
+            stacklevel=2,
         )
     params, buffers = extract(module)  # meta tensors; records the module's ties
     steps = _steps(module, aliases(module), every=init is not None)

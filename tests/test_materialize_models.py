@@ -89,6 +89,27 @@ def test_hugging_face_init_weights(worlds, name, ranks):
     assert worlds(ranks).run(hf_model, name) == [([], [], [])] * ranks
 
 
+def hf_without_init():
+    with torch.device("meta"):
+        meta = _hf("llama")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            fs.materialize(meta, mesh(dist.get_world_size()))
+        except ValueError as e:  # its RMSNorm has no reset_parameters()
+            error = str(e)
+    return [str(w.message) for w in caught], error
+
+
+def test_hugging_face_without_init_says_what_to_pass(world1):
+    """Without ``init=``, HF's _init_weights cannot run on meta: a warning says what to pass,
+    before the error about the first module it leaves unwritten."""
+    pytest.importorskip("transformers")
+    ((messages, error),) = world1.run(hf_without_init)
+    assert any("init=model._init_weights" in m and "LlamaForCausalLM" in m for m in messages)
+    assert "LlamaRMSNorm" in error
+
+
 # ResNet ---------------------------------------------------------------------------------------
 
 
