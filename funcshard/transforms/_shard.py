@@ -4,11 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import optree
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from .._parallel import (
+    check_model_placements,
+    concatenate,
+    data_parallel,
+    is_model_parallel,
+    record,
+    storage_placements,
+)
 from .._spec import ShardSpec, check_mesh, check_storage_placements
 from .._tree import PyTree, map_with_path
 
@@ -47,9 +56,11 @@ def shard(
             on another device type than the mesh.
         TypeError: a leaf is not a tensor.
     """
-    _check_mesh(mesh)
+    _check_mesh(mesh, params)
 
     def one(path: str, x) -> DTensor:
+        if isinstance(x, DTensor) and is_model_parallel(x, mesh):
+            return _shard_model_parallel(path, x, mesh, _resolve(path, x, mesh, placements))
         if isinstance(x, DTensor):
             raise ValueError(
                 f"shard: {path!r} is already a DTensor with placements {tuple(x.placements)}; "
@@ -70,13 +81,7 @@ def shard(
         check_storage_placements(path, pl, mesh, x.dim())
         stride = torch.empty(x.shape, device="meta").stride()
         spec = ShardSpec(mesh, pl, tuple(x.shape), tuple(stride))
-        local = x.detach()
-        for d, (offset, size) in enumerate(
-            zip(spec.local_offset(), spec.level_shapes()[-1], strict=True)
-        ):
-            if size != x.shape[d]:
-                local = local.narrow(d, offset, size)
-        local = local.clone(memory_format=torch.contiguous_format)
+        local = _cut(x.detach(), spec)
         out = DTensor.from_local(local, mesh, pl, run_check=False, shape=x.shape, stride=stride)
         return out.requires_grad_(x.requires_grad)
 
@@ -94,7 +99,7 @@ def _resolve(path: str, x: torch.Tensor, mesh: DeviceMesh, placements) -> tuple[
     return tuple(p)
 
 
-def _check_mesh(mesh: DeviceMesh) -> None:
+def _check_mesh(mesh: DeviceMesh, params: PyTree) -> None:
     if not dist.is_initialized():
         raise RuntimeError(
             "shard: no default process group; call torch.distributed.init_process_group (or "
@@ -103,11 +108,44 @@ def _check_mesh(mesh: DeviceMesh) -> None:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"shard: mesh must be a DeviceMesh, got {type(mesh).__name__}.")
     world = dist.get_world_size()
-    if mesh.size() != world:
+    tp = [x for x in optree.tree_leaves(params) if isinstance(x, DTensor)]
+    if mesh.size() != world and not any(is_model_parallel(x, mesh) for x in tp):
         raise ValueError(
             f"shard: the mesh has {mesh.size()} ranks (shape {tuple(mesh.shape)}), but the process "
             f"group has {world}; funcshard shards over every rank. Build the mesh with "
             f"init_device_mesh({mesh.device_type!r}, ({world},)) for FSDP, or "
-            f"(replicas, {world} // replicas) for HSDP."
+            f"(replicas, {world} // replicas) for HSDP; a mesh of fewer ranks is the "
+            "data-parallel mesh of FSDP x TP, for a tree holding the DTensors of a module "
+            "parallelized on the other dims (docs/parallelism.md)."
         )
+    if mesh.size() != world:
+        data_parallel(mesh)
     check_mesh("<mesh>", mesh, "shard")
+
+
+def _shard_model_parallel(path: str, x: DTensor, mesh: DeviceMesh, pl) -> DTensor:
+    """A tensor-parallel DTensor -> the 2-D layout: its TP-local tensor sharded over ``mesh``
+    (see [Note: the 2-D layout] in ``_parallel``)."""
+    check_model_placements(path, x)
+    spmd = concatenate(path, mesh, x.device_mesh)
+    dims = tuple(range(mesh.ndim))
+    record(spmd, dims, path)
+    check_storage_placements(path, pl, mesh, x.dim())
+    tp = tuple(x.placements)
+    placements = storage_placements(pl, tp, tuple(x.device_mesh.shape))
+    spec = ShardSpec(spmd, placements, tuple(x.shape), tuple(x.stride()), dims)
+    local = _cut(x._local_tensor.detach(), spec.gathered())
+    out = DTensor.from_local(
+        local, spmd, placements, run_check=False, shape=spec.shape, stride=spec.stride
+    )
+    return out.requires_grad_(x.requires_grad)
+
+
+def _cut(x: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """This rank's shard of ``x`` (of ``spec``'s global shape), as a fresh contiguous tensor."""
+    for d, (offset, size) in enumerate(
+        zip(spec.local_offset(), spec.level_shapes()[-1], strict=True)
+    ):
+        if size != x.shape[d]:
+            x = x.narrow(d, offset, size)
+    return x.clone(memory_format=torch.contiguous_format)

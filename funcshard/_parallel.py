@@ -1,0 +1,187 @@
+"""Data parallelism on top of tensor (or expert) parallelism: FSDP x TP's 2-D layout.
+
+[Note: the 2-D layout]
+After ``parallelize_module(block, mesh["tp"], plan)`` a parameter is a DTensor on the TP mesh,
+and its *TP-local* tensor is what this rank's module computes with. ``fs.shard(params,
+mesh["dp"])`` shards that TP-local tensor over the data-parallel mesh, as FSDP2 does: the result
+is a DTensor on the concatenated mesh ``(dp dims..., tp dims...)`` whose placements are the dp
+placement (``_StridedShard(d, sf)`` when tp splits the same tensor dim, since DTensor splits mesh
+dims left to right) followed by the TP placements -- byte for byte FSDP2's ``(Shard(0) over dp,
+TP placement)`` layout, so DCP, ``full_tensor()`` and redistribution read it right.
+
+Which mesh dims are funcshard's (gathered and reduced) is a fact about the concatenated mesh,
+recorded here when :func:`~funcshard.shard` builds it (``{mesh: dp dims}``), as FSDP2 records
+its ``dp_mesh_dims``; ``ShardSpec.of`` reads it, so every DTensor on that mesh -- optimizer
+outputs, loaded checkpoints, gradients -- carries the same spec. Gathers and reduce-scatters run
+on the dp sub-mesh over the TP-local tensors (``ShardSpec.gathered``); the result is wrapped into
+a DTensor on the TP mesh with the TP placements (``ShardSpec.model``), so the module's own DTensor
+ops run TP's collectives, and the gradient coming back is redistributed to the TP placements
+(a ``Partial`` gradient of a replicated norm weight is all-reduced over tp there) before its
+reduce-scatter over dp.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+_DP_DIMS: dict[DeviceMesh, tuple[int, ...]] = {}
+# data-parallel sub-meshes of 2-D layouts: their other dims are model parallel, so a plain
+# parameter sharded on one of them is replicated over those (see [Note: meshes funcshard can
+# gather over] in _spec)
+_DATA_PARALLEL: set[DeviceMesh] = set()
+
+
+def record(mesh: DeviceMesh, dp_dims: tuple[int, ...], path: str) -> None:
+    """Remember that funcshard gathers ``mesh``'s dims ``dp_dims`` (the others are TP's).
+
+    Raises:
+        ValueError: the same mesh was already used with other dp dims.
+    """
+    data_parallel(submesh(mesh, dp_dims))
+    known = _DP_DIMS.setdefault(mesh, dp_dims)
+    if known != dp_dims:
+        names = mesh.mesh_dim_names
+        raise ValueError(
+            f"shard: {path!r} would make the dims {[names[i] for i in dp_dims]} of {mesh} its "
+            f"data-parallel dims, but this mesh already has the data-parallel dims "
+            f"{[names[i] for i in known]}. Use one data-parallel mesh per model-parallel mesh."
+        )
+
+
+def dp_dims(mesh: DeviceMesh) -> tuple[int, ...] | None:
+    """The recorded data-parallel dims of ``mesh`` (``None``: all of them)."""
+    return _DP_DIMS.get(mesh) if _DP_DIMS else None
+
+
+@functools.lru_cache(maxsize=256)
+def submesh(mesh: DeviceMesh, dims: tuple[int, ...]) -> DeviceMesh:
+    """The sub-mesh of ``mesh`` made of ``dims`` (named meshes only; cached)."""
+    names = mesh.mesh_dim_names
+    return mesh[tuple(names[i] for i in dims)]
+
+
+def concatenate(path: str, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``(dp dims..., tp dims...)`` of a 2-D layout (FSDP2's ``_spmd_mesh``).
+
+    [Note: one private DeviceMesh API]
+    ``DeviceMesh._concatenate`` joins two slices of one root mesh without new process groups;
+    FSDP2 uses it for the same purpose. ``tests/test_parallel.py`` builds 2-D layouts with it,
+    so a torch upgrade that changes it fails there.
+
+    Raises:
+        ValueError: unnamed meshes, meshes of different roots, or overlapping meshes.
+    """
+    fix = (
+        "Build one mesh, e.g. mesh = init_device_mesh('cpu', (dp, tp), mesh_dim_names=('dp', "
+        "'tp')), parallelize on mesh['tp'] and fs.shard on mesh['dp']."
+    )
+    if dp_mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
+        raise ValueError(
+            f"shard: {path!r} is a DTensor on {tp_mesh} and is sharded on {dp_mesh}; FSDP x TP "
+            f"needs named meshes. {fix}"
+        )
+    if dp_mesh._get_root_mesh() != tp_mesh._get_root_mesh():
+        raise ValueError(
+            f"shard: {path!r} is a DTensor on {tp_mesh}, which is not a sub-mesh of the same root "
+            f"mesh as the data-parallel mesh {dp_mesh}. {fix}"
+        )
+    try:
+        return DeviceMesh._concatenate([dp_mesh, tp_mesh])
+    except RuntimeError as e:
+        raise ValueError(
+            f"shard: {path!r}: its tensor-parallel mesh {tp_mesh} and the data-parallel mesh "
+            f"{dp_mesh} cannot form one mesh ({e}); they must be disjoint dims of one root. {fix}"
+        ) from e
+
+
+def storage_placements(dp: tuple[Placement, ...], tp: tuple[Placement, ...], tp_sizes):
+    """DTensor placements of the 2-D layout: ``dp`` (funcshard's ``Shard`` / ``Replicate`` of the
+    TP-local tensor) then ``tp``. A dp ``Shard(d)`` of a dim that tp also splits becomes
+    ``_StridedShard(d, split_factor)`` (see [Note: the 2-D layout])."""
+    out = []
+    for p in dp:
+        factor = math.prod(n for q, n in zip(tp, tp_sizes, strict=True) if _splits(q, p))
+        out.append(_StridedShard(p.dim, split_factor=factor) if factor > 1 else p)
+    return (*out, *tp)
+
+
+def _splits(q: Placement, p: Placement) -> bool:
+    return isinstance(p, Shard) and isinstance(q, Shard | _StridedShard) and q.dim == p.dim
+
+
+def plain(p: Placement) -> Placement:
+    """``_StridedShard(d, ...)`` -> ``Shard(d)``: funcshard's view of a dp placement."""
+    return Shard(p.dim) if isinstance(p, _StridedShard) else p
+
+
+def check_model_placements(path: str, x: DTensor) -> None:
+    """A TP DTensor funcshard can shard over dp: ``Shard`` / ``Replicate`` placements.
+
+    Raises:
+        ValueError: naming the parameter, its placements and the fix.
+    """
+    for p in x.placements:
+        if type(p) not in (Shard, Replicate):
+            raise ValueError(
+                f"shard: {path!r} is a DTensor on {x.device_mesh} placed as "
+                f"{tuple(x.placements)}; funcshard can shard over data-parallel dims only "
+                "tensor-parallel layouts made of Shard(d) and Replicate(). Redistribute it "
+                "(x.redistribute(mesh, [Shard(d) or Replicate()])) before fs.shard."
+            )
+
+
+def describe(mesh: DeviceMesh) -> str:
+    """The same text on every rank for a mesh and its sub-meshes (for ``_consensus``)."""
+    root = mesh._get_root_mesh()
+    if root is mesh or root == mesh:
+        return str(mesh.mesh.tolist())
+    return f"{root.mesh.tolist()}[{', '.join(mesh.mesh_dim_names or ())}]"
+
+
+def data_parallel(mesh: DeviceMesh) -> None:
+    """Record ``mesh`` as the data-parallel mesh of a 2-D layout (see ``sub_mesh_problem``)."""
+    _DATA_PARALLEL.add(mesh)
+
+
+def is_model_parallel(x: DTensor, dp_mesh: DeviceMesh) -> bool:
+    """Whether ``x`` is a TP (or EP) DTensor to shard over ``dp_mesh`` (a mesh of other dims),
+    rather than a DTensor funcshard (or anyone) already sharded over it."""
+    mesh = x.device_mesh
+    if (_DP_DIMS and mesh in _DP_DIMS) or mesh == dp_mesh:
+        return False
+    return not set(mesh.mesh_dim_names or ()) & set(dp_mesh.mesh_dim_names or ())
+
+
+def sub_mesh_problem(mesh: DeviceMesh) -> str | None:
+    """Why a mesh of fewer ranks than the world cannot be sharded over (``None``: it can --
+    it is the data-parallel mesh of a 2-D layout, whose other dims are model parallel)."""
+    if mesh in _DATA_PARALLEL:
+        return None
+    return (
+        f"which has {mesh.size()} ranks while the process group has {dist.get_world_size()} "
+        "(a mesh of fewer ranks is the data-parallel mesh of FSDP x TP only: fs.shard the "
+        "parameters of the module parallelized on its other dims on it, DTensors and all, in "
+        "one call)"
+    )
+
+
+def wrap(fulls: list[torch.Tensor], specs) -> list[torch.Tensor]:
+    """Gathered TP-local tensors -> DTensors on their TP meshes (differentiably, also inside
+    ``torch.func``); tensors of 1-D layouts are returned as they are."""
+    from . import _dtensor
+
+    where = [i for i, s in enumerate(specs) if s.dp_dims is not None]
+    if not where:
+        return fulls
+    made = _dtensor.from_local([fulls[i] for i in where], [specs[i].model() for i in where])
+    out = list(fulls)
+    for i, d in zip(where, made, strict=True):
+        out[i] = d
+    return out
