@@ -3,10 +3,15 @@ model on the global batch and against FSDP2 + TP on the same mesh."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+
+import pytest
 import torch
 import torch.distributed as dist
 from _tp import Counter, batch, dp_rank, loss, make, parallelized
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, distribute_tensor
 
 import funcshard as fs
 
@@ -125,3 +130,139 @@ def test_schedule_and_adamw_vs_fsdp2_tp(world4):
             assert {dim for _, dim in ours} == {"dp", "tp"}
             # gathers and reduce-scatters over dp only; TP's all-reduces over tp only
             assert all(dim == ("tp" if kind == "all_reduce" else "dp") for kind, dim in ours)
+
+
+def _adamw_state(m, model):
+    sharded = fs.shard(fs.extract(model)[0], m["dp"])
+    opt = fs.optim.adamw(1e-2)
+    state = opt.init(sharded)
+    x, y = batch(0, dp_rank(m))
+    _, grads = fs.value_and_grad(lambda p: loss(fs.functional_call(model, fs.unshard(p), (x,)), y))(
+        sharded
+    )
+    return fs.optim.step(opt, sharded, grads, state)
+
+
+def checkpoint_reshard(path: str, shape: tuple[int, ...]):
+    """Save params + AdamW state of the (2, 2) layout; load them onto ``shape`` -- (dp, tp) or a
+    1-D FSDP mesh -- and compare every full tensor; the loaded tree trains (fs.unshard)."""
+    m, model = parallelized()
+    params, state = _adamw_state(m, model)
+    saved = {"params": params, "opt": state}
+    fs.checkpoint.save(path, saved)
+    if len(shape) == 2:
+        m2, model2 = parallelized(seed=1, shape=shape)
+        like_params = fs.shard(fs.extract(model2)[0], m2["dp"])
+    else:
+        model2 = make(seed=1)
+        like_params = fs.shard(fs.extract(model2)[0], mesh_1d(shape))
+    like = {"params": like_params, "opt": fs.optim.adamw(1e-2).init(like_params)}
+    loaded = fs.checkpoint.load(path, like)
+    a = optree_leaves(saved)
+    b = optree_leaves(loaded)
+    err = max(
+        (x.full_tensor() - y.full_tensor()).abs().max().item() for x, y in zip(a, b, strict=True)
+    )
+    placed = all(
+        x.placements == y.placements and x.device_mesh == y.device_mesh
+        for x, y in zip(optree_leaves(like), b, strict=True)
+    )
+    full = fs.unshard(loaded["params"])
+    unshard_err = max(
+        (_full(full[k]) - v.full_tensor()).abs().max().item() for k, v in params.items()
+    )
+    return err, placed, unshard_err
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, torch.distributed.tensor.DTensor) else t
+
+
+def mesh_1d(shape, names=None):
+    from _mesh import mesh
+
+    return mesh(*shape, names=names)
+
+
+def optree_leaves(tree):
+    import optree
+
+    return [x for x in optree.tree_leaves(tree) if isinstance(x, torch.Tensor) and x.dim()]
+
+
+@pytest.mark.parametrize("shape", [(1, 4), (4,)])
+def test_checkpoint_loads_onto_another_shape(world4, shape):
+    path = tempfile.mkdtemp()
+    try:
+        for err, placed, unshard_err in world4.run(checkpoint_reshard, f"{path}/ckpt", shape):
+            assert err == 0 and placed and unshard_err == 0
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def replicated_vs_unsharded(shape: tuple[int, ...], steps: int):
+    """1-d parameters replicated (kept whole, gradients all-reduced, never gathered), the others
+    sharded, under fs.schedule + fs.optim.adamw, vs the unsharded model on the global batch +
+    torch.optim.AdamW. ``shape``: a 1-D FSDP mesh, or (dp, tp) with TP on the blocks."""
+    if len(shape) == 2:
+        m, model = parallelized(shape=shape)
+        dp, dims = m["dp"], m
+    else:
+        model, dp = make(), mesh_1d(shape, ("dp",))
+        dims = dp
+    sharded = fs.shard(
+        fs.extract(model)[0], dp, lambda path, t: Replicate() if t.dim() == 1 else None
+    )
+    apply = fs.schedule(model, fs.plan(model, fs.policy.by_type(type(model.blocks[0]))))
+    opt = fs.optim.adamw(1e-2, weight_decay=0.1)
+    state = opt.init(sharded)
+    ref = make()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    rank = dp.get_local_rank()
+    out = []
+    for step in range(steps):
+        x, y = batch(step, rank, dp=dp.size())
+        with Counter(dims) as c:
+            value, grads = fs.value_and_grad(lambda p, x, y: loss(apply(p, x), y))(sharded, x, y)
+        gx, gy = batch(step, dp=dp.size())
+        ref_loss = loss(ref(gx), gy)
+        ref_loss.backward()
+        rp = dict(ref.named_parameters())
+        grad_err = max((g.full_tensor() - rp[k].grad).abs().max().item() for k, g in grads.items())
+        whole = all(_whole(sharded[k], rp[k].detach()) for k in sharded if sharded[k].dim() == 1)
+        sharded, state = fs.optim.step(opt, sharded, grads, state)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        param_err = max((p.full_tensor() - rp[k]).abs().max().item() for k, p in sharded.items())
+        value = value.detach().clone()
+        dist.all_reduce(value)
+        out.append((abs(value.item() / dist.get_world_size() - ref_loss.item()), grad_err,
+                    param_err, whole, c.counts))  # fmt: skip
+    return out
+
+
+def _whole(d, full: torch.Tensor) -> bool:
+    """Whether ``d`` (replicated over dp) holds all of ``full`` -- its TP-local part for a 2-D
+    layout, whose last mesh dim is tp."""
+    if d.device_mesh.ndim == 2:
+        tp = d.device_mesh["tp"]
+        full = distribute_tensor(full, tp, d.placements[1:]).to_local()
+    local = d.to_local()
+    return (
+        d.placements[0] == Replicate()
+        and local.shape == full.shape
+        and torch.allclose(local, full, atol=1e-6)
+    )
+
+
+@pytest.mark.parametrize("shape", [(4,), (2, 2)])
+def test_replicated_parameters(world4, shape):
+    for rank in world4.run(replicated_vs_unsharded, shape, 2):
+        for loss_err, grad_err, param_err, whole, counts in rank:
+            assert loss_err < 1e-6 and grad_err < 1e-6 and param_err < 1e-6 and whole, rank
+            # 3 groups: gathered in forward, the 2 blocks again in backward (the root stays),
+            # a reduce-scatter of each group's sharded gradients and an all-reduce of its
+            # replicated ones; TP's own all-reduces (2 per block) over tp
+            tp = {("all_reduce", "tp"): 4} if len(shape) == 2 else {}
+            expected = {("all_gather", "dp"): 5, ("reduce_scatter", "dp"): 3}
+            assert counts == {**expected, ("all_reduce", "dp"): 3, **tp}, counts
