@@ -85,23 +85,25 @@ def test_unshard_vs_unsharded(world4):
             assert loss_err < 1e-6 and grad_err < 1e-6 and same, rank
 
 
-def schedule_vs_fsdp2(steps: int):
+def schedule_vs_fsdp2(steps: int, shape=(2, 2), names=("dp", "tp")):
     """fs.schedule (a group per block) + fs.optim.adamw vs fully_shard per block + root over the
     same TP module + torch.optim.AdamW: loss, every gradient's full tensor, parameters after
-    each step, and the collectives per mesh dim."""
-    m, model = parallelized()
-    _, ref = parallelized()
+    each step, and the collectives per mesh dim. ``names[:-1]`` are the data-parallel dims
+    (two: HSDP x TP)."""
+    m, model = parallelized(shape=shape, names=names)
+    _, ref = parallelized(shape=shape, names=names)
+    dp = m[names[:-1]]
     for b in ref.blocks:
-        fully_shard(b, mesh=m["dp"])
-    fully_shard(ref, mesh=m["dp"])
-    sharded = fs.shard(fs.extract(model)[0], m["dp"])
+        fully_shard(b, mesh=dp)
+    fully_shard(ref, mesh=dp)
+    sharded = fs.shard(fs.extract(model)[0], dp)
     apply = fs.schedule(model, fs.plan(model, fs.policy.by_type(type(model.blocks[0]))))
     opt = fs.optim.adamw(1e-2, weight_decay=0.1)
     state = opt.init(sharded)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     out = []
     for step in range(steps):
-        x, y = batch(step, dp_rank(m))
+        x, y = batch(step, _dp_index(dp), dp=dp.size())
         with Counter(m) as ours:
             value, grads = fs.value_and_grad(lambda p, x, y: loss(apply(p, x), y))(sharded, x, y)
         with Counter(m) as theirs:
@@ -122,6 +124,14 @@ def schedule_vs_fsdp2(steps: int):
     return out
 
 
+def _dp_index(dp) -> int:
+    """This rank's position among the data-parallel ranks (row-major over dp's dims)."""
+    index = 0
+    for size, c in zip(dp.shape, dp.get_coordinate(), strict=True):
+        index = index * size + c
+    return index
+
+
 def test_schedule_and_adamw_vs_fsdp2_tp(world4):
     for rank in world4.run(schedule_vs_fsdp2, 3):
         for loss_err, grad_err, param_err, ours, theirs in rank:
@@ -130,6 +140,17 @@ def test_schedule_and_adamw_vs_fsdp2_tp(world4):
             assert {dim for _, dim in ours} == {"dp", "tp"}
             # gathers and reduce-scatters over dp only; TP's all-reduces over tp only
             assert all(dim == ("tp" if kind == "all_reduce" else "dp") for kind, dim in ours)
+
+
+def test_hsdp_x_tp_vs_fsdp2(worlds):
+    names = ("dp_replicate", "dp_shard", "tp")
+    for rank in worlds(8).run(schedule_vs_fsdp2, 2, (2, 2, 2), names):
+        for loss_err, grad_err, param_err, ours, theirs in rank:
+            assert loss_err < 1e-6 and grad_err < 1e-6 and param_err < 1e-6, rank
+            assert ours == theirs, (ours, theirs)
+            # gathers and reduce-scatters over dp_shard, gradient all-reduces over
+            # dp_replicate, TP's over tp
+            assert {dim for _, dim in ours} == set(names), ours
 
 
 def _adamw_state(m, model):
@@ -266,3 +287,33 @@ def test_replicated_parameters(world4, shape):
             tp = {("all_reduce", "tp"): 4} if len(shape) == 2 else {}
             expected = {("all_gather", "dp"): 5, ("reduce_scatter", "dp"): 3}
             assert counts == {**expected, ("all_reduce", "dp"): 3, **tp}, counts
+
+
+def func_grad_vs_unsharded():
+    """torch.func.grad over fs.unshard of LocalShards of the 2-D layout, with the model written
+    as DTensor ops on the TP mesh (TP's parallel styles themselves use DTensor.from_local, an
+    autograd.Function that torch.func refuses: docs/parallelism.md), vs plain autograd on the
+    unsharded weights."""
+    m, model = parallelized(blocks=1)
+    names = ["blocks.0.w1.weight", "blocks.0.w1.bias", "blocks.0.w2.weight", "blocks.0.w2.bias"]
+    params = fs.extract(model)[0]
+    sharded = fs.shard({k: params[k] for k in names}, m["dp"])
+    xd = distribute_tensor(torch.randn(3, 8, generator=torch.Generator().manual_seed(dp_rank(m))),
+                           m["tp"], [Replicate()])  # fmt: skip
+
+    def f(p, x):
+        w1, b1, w2, b2 = (p[k] for k in names)
+        out = torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, w1, b1)), w2, b2)
+        return (out**2).mean()
+
+    grads = fs.from_local(torch.func.grad(lambda p: f(fs.unshard(p), xd))(fs.to_local(sharded)))
+    plain = dict(make(blocks=1).named_parameters())
+    ref = {k: plain[k].detach().requires_grad_() for k in names}
+    gx = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    gx = torch.cat([gx, torch.randn(3, 8, generator=torch.Generator().manual_seed(1))])
+    f(ref, gx).backward()
+    return max((grads[k].full_tensor() - ref[k].grad).abs().max().item() for k in names)
+
+
+def test_torch_func_grad(world4):
+    assert max(world4.run(func_grad_vs_unsharded)) < 1e-6
