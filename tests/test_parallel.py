@@ -70,7 +70,9 @@ def unshard_vs_unsharded(steps: int):
         rp = dict(ref.named_parameters())
         grad_err = max((g.full_tensor() - rp[k].grad).abs().max().item() for k, g in grads.items())
         same = all(g.placements == sharded[k].placements for k, g in grads.items())
-        out.append((abs(_global_loss(value, m) - ref_loss.item()), grad_err, same))
+        ref_norm = torch.stack([p.grad.norm() for p in rp.values()]).norm()
+        norm_err = abs(fs.optim.global_norm(grads).item() - ref_norm.item())
+        out.append((abs(_global_loss(value, m) - ref_loss.item()), grad_err, same, norm_err))
         with torch.no_grad():
             for p in rp.values():
                 p -= 0.1 * p.grad
@@ -81,8 +83,8 @@ def unshard_vs_unsharded(steps: int):
 
 def test_unshard_vs_unsharded(world4):
     for rank in world4.run(unshard_vs_unsharded, 2):
-        for loss_err, grad_err, same in rank:
-            assert loss_err < 1e-6 and grad_err < 1e-6 and same, rank
+        for loss_err, grad_err, same, norm_err in rank:
+            assert loss_err < 1e-6 and grad_err < 1e-6 and same and norm_err < 1e-5, rank
 
 
 def schedule_vs_fsdp2(steps: int, shape=(2, 2), names=("dp", "tp")):
