@@ -44,7 +44,7 @@ def record(mesh: DeviceMesh, dp_dims: tuple[int, ...], path: str) -> None:
     Raises:
         ValueError: the same mesh was already used with other dp dims.
     """
-    data_parallel(submesh(mesh, dp_dims))
+    _DATA_PARALLEL.add(submesh(mesh, dp_dims))
     known = _DP_DIMS.setdefault(mesh, dp_dims)
     if known != dp_dims:
         names = mesh.mesh_dim_names
@@ -145,11 +145,6 @@ def describe(mesh: DeviceMesh) -> str:
     return f"{root.mesh.tolist()}[{', '.join(mesh.mesh_dim_names or ())}]"
 
 
-def data_parallel(mesh: DeviceMesh) -> None:
-    """Record ``mesh`` as the data-parallel mesh of a 2-D layout (see ``sub_mesh_problem``)."""
-    _DATA_PARALLEL.add(mesh)
-
-
 def is_model_parallel(x: DTensor, dp_mesh: DeviceMesh) -> bool:
     """Whether ``x`` is a TP (or EP) DTensor to shard over ``dp_mesh`` (a mesh of other dims),
     rather than a DTensor funcshard (or anyone) already sharded over it."""
@@ -185,3 +180,29 @@ def wrap(fulls: list[torch.Tensor], specs) -> list[torch.Tensor]:
     for i, d in zip(where, made, strict=True):
         out[i] = d
     return out
+
+
+def model_local(path: str, full: torch.Tensor, spec) -> torch.Tensor:
+    """What :func:`~funcshard.reduce` scatters over dp for a 2-D layout: the TP-local part of
+    ``full`` -- a DTensor on the TP mesh (redistributed to the TP placements if ``Partial``), or
+    a plain tensor of the global shape, the same on every tp rank. Differentiable.
+
+    Raises:
+        ValueError: a DTensor on another mesh than the parameter's TP mesh.
+    """
+    model = spec.model()
+    if isinstance(full, DTensor):
+        if full.device_mesh != model.mesh:
+            raise ValueError(
+                f"reduce: full_grads at {path!r} is a DTensor on {full.device_mesh}, but the "
+                f"parameter is tensor parallel on {model.mesh}; pass its gradient as the module "
+                "computed it (a DTensor on the TP mesh), or a plain full tensor."
+            )
+        if tuple(full.placements) != model.placements:
+            full = full.redistribute(model.mesh, model.placements)
+        return full.to_local()
+    for d, (offset, size) in enumerate(
+        zip(model.local_offset(), model.level_shapes()[-1], strict=True)
+    ):
+        full = full.narrow(d, offset, size) if size != full.shape[d] else full
+    return full

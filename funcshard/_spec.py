@@ -343,6 +343,8 @@ def check_mesh(path: str, mesh: DeviceMesh, fn: str) -> None:
         ValueError: naming ``path``, what is wrong with the mesh, and the fix.
     """
     problem = _mesh_problem(mesh)
+    if mesh.size() != dist.get_world_size():  # not cached: a 2-D layout may come later
+        problem = _parallel.sub_mesh_problem(mesh) or problem
     if problem is not None:
         raise ValueError(
             f"{fn}: {path!r} is sharded on {mesh}, {problem}. funcshard shards over every rank "
@@ -354,8 +356,6 @@ def check_mesh(path: str, mesh: DeviceMesh, fn: str) -> None:
 
 @functools.lru_cache(maxsize=256)
 def _mesh_problem(mesh: DeviceMesh) -> str | None:
-    if mesh.size() != dist.get_world_size() and (problem := _parallel.sub_mesh_problem(mesh)):
-        return problem
     coord = mesh.get_coordinate()
     if coord is None:
         return f"which does not include this rank ({dist.get_rank()})"

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from _tp import Counter, batch, dp_rank, loss, make, parallelized
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Replicate, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import funcshard as fs
 
@@ -319,3 +319,85 @@ def func_grad_vs_unsharded():
 
 def test_torch_func_grad(world4):
     assert max(world4.run(func_grad_vs_unsharded)) < 1e-6
+
+
+def reduce_vs_value_and_grad():
+    """fs.reduce of gradients computed on fs.unshard's tensors (DTensors on tp for TP weights,
+    plain tensors for the rest) equals fs.value_and_grad's."""
+    m, model = parallelized()
+    sharded = fs.shard(fs.extract(model)[0], m["dp"])
+    x, y = batch(0, dp_rank(m))
+
+    def loss_fn(p):
+        return loss(fs.functional_call(model, fs.unshard(p), (x,)), y)
+
+    _, expected = fs.value_and_grad(loss_fn)(sharded)
+    with torch.no_grad():
+        full = fs.unshard(sharded)
+    full = {k: v.detach().requires_grad_() for k, v in full.items()}
+    loss(fs.functional_call(model, full, (x,)), y).backward()
+    grads = fs.reduce({k: v.grad for k, v in full.items()}, sharded)
+    # a plain full gradient of a TP weight (the same on every tp rank) reduces the same way
+    k = "blocks.0.w1.weight"
+    plain = fs.reduce({k: full[k].grad.full_tensor()}, {k: sharded[k]})[k]
+    errs = [(grads[k] - g).abs().max().item() for k, g in expected.items()]
+    return max(errs), (plain - expected[k]).abs().max().item(), grads[k].placements
+
+
+def test_reduce(world4):
+    for err, plain_err, placements in world4.run(reduce_vs_value_and_grad):
+        assert err < 1e-7 and plain_err < 1e-7 and placements[1] == Shard(0)
+
+
+def bad_inputs():
+    from torch.distributed.tensor import DTensor, Partial
+
+    from _checks import raises
+    from _mesh import mesh
+
+    m, model = parallelized()
+    params = fs.extract(model)[0]
+    other = mesh(2, 2, names=("a", "b"))  # another root mesh of the same ranks
+    w = params["blocks.0.w1.weight"]
+    partial = DTensor.from_local(torch.ones(3, 8), m["tp"], [Partial()])
+    return [
+        raises(
+            lambda: fs.shard({"w": w}, other["a"]),
+            ValueError,
+            "'w'",
+            "not a sub-mesh of the same root",
+            "parallelize on mesh['tp'] and fs.shard on mesh['dp']",
+        ),
+        raises(
+            lambda: fs.shard({"p": partial}, m["dp"]),
+            ValueError,
+            "'p'",
+            "Partial",
+            "Shard(d) and Replicate()",
+            "redistribute",
+        ),
+        raises(
+            lambda: fs.shard({"w": w}, m["dp"], Shard(2)),
+            ValueError,
+            "'w'",
+            "out of range",
+        ),
+        raises(  # plain parameters on a sub-mesh, with no TP module in sight
+            lambda: fs.shard({"norm": torch.ones(4)}, other["a"]),
+            ValueError,
+            "2 ranks",
+            "process group has 4",
+            "data-parallel mesh of FSDP x TP",
+        ),
+        raises(
+            lambda: fs.shard(fs.shard({"w": w}, m["dp"]), m["dp"]),
+            ValueError,
+            "'w'",
+            "already a DTensor",
+        ),
+    ]
+
+
+def test_bad_inputs(world4):
+    for rank in world4.run(bad_inputs):
+        assert rank == [None] * len(rank), rank

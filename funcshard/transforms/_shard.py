@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import optree
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -13,10 +12,10 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from .._parallel import (
     check_model_placements,
     concatenate,
-    data_parallel,
     is_model_parallel,
     record,
     storage_placements,
+    sub_mesh_problem,
 )
 from .._spec import ShardSpec, check_mesh, check_storage_placements
 from .._tree import PyTree, map_with_path
@@ -37,9 +36,14 @@ def shard(
     tensors can be freed afterwards. ``requires_grad`` is kept.
 
     Args:
-        params: a pytree of tensors, e.g. the ``params`` of :func:`~funcshard.extract`.
+        params: a pytree of tensors, e.g. the ``params`` of :func:`~funcshard.extract`. DTensor
+            leaves of a module parallelized on other dims of the same mesh
+            (``parallelize_module(block, mesh["tp"], plan)``) are sharded over ``mesh`` on top of
+            their TP placement: FSDP2's 2-D layout (docs/parallelism.md).
         mesh: a 1-D mesh (FSDP) or a 2-D ``(replicate, shard)`` mesh (HSDP), whose size is the
-            world size of the default process group.
+            world size of the default process group; or, for FSDP x TP, the data-parallel dims
+            of a named mesh of the whole world (``mesh["dp"]``, ``mesh["dp_replicate",
+            "dp_shard"]``).
         placements: one placement per mesh dim; or a single placement, meaning that placement on
             the last mesh dim and ``Replicate()`` on the others; or ``fn(path, tensor)`` returning
             either (or ``None`` for the default), like FSDP2's ``shard_placement_fn``. Default:
@@ -51,20 +55,34 @@ def shard(
 
     Raises:
         RuntimeError: no default process group.
-        ValueError: the mesh size is not the world size; a leaf is already a DTensor; a placement
+        ValueError: the mesh size is not the world size (without TP DTensors in the tree); a
+            leaf is already sharded over ``mesh``; a TP DTensor's mesh is not a sub-mesh of the
+            same root as ``mesh``, or its placements are not ``Shard``/``Replicate``; a placement
             is not ``Shard``/``Replicate``, is out of range, or shards a 0-d tensor; a tensor is
             on another device type than the mesh.
         TypeError: a leaf is not a tensor.
     """
-    _check_mesh(mesh, params)
+    _check_group(mesh)
+    made: set[int] = set()
+
+    def parallel(path: str, x):
+        if isinstance(x, DTensor) and is_model_parallel(x, mesh):
+            x = _shard_model_parallel(path, x, mesh, _resolve(path, x, mesh, placements))
+            made.add(id(x))
+        return x
+
+    params = map_with_path(parallel, params)  # first: makes mesh a data-parallel mesh
+    _check_mesh(mesh)
 
     def one(path: str, x) -> DTensor:
-        if isinstance(x, DTensor) and is_model_parallel(x, mesh):
-            return _shard_model_parallel(path, x, mesh, _resolve(path, x, mesh, placements))
+        if id(x) in made:
+            return x
         if isinstance(x, DTensor):
             raise ValueError(
                 f"shard: {path!r} is already a DTensor with placements {tuple(x.placements)}; "
-                "pass full tensors (fs.extract(module)[0]), not an already sharded tree."
+                "pass full tensors (fs.extract(module)[0]), not an already sharded tree (the "
+                "DTensors of a module parallelized on other dims of the same mesh are sharded "
+                "on top of their placements: docs/parallelism.md)."
             )
         if not isinstance(x, torch.Tensor):
             raise TypeError(
@@ -99,7 +117,7 @@ def _resolve(path: str, x: torch.Tensor, mesh: DeviceMesh, placements) -> tuple[
     return tuple(p)
 
 
-def _check_mesh(mesh: DeviceMesh, params: PyTree) -> None:
+def _check_group(mesh: DeviceMesh) -> None:
     if not dist.is_initialized():
         raise RuntimeError(
             "shard: no default process group; call torch.distributed.init_process_group (or "
@@ -107,9 +125,11 @@ def _check_mesh(mesh: DeviceMesh, params: PyTree) -> None:
         )
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"shard: mesh must be a DeviceMesh, got {type(mesh).__name__}.")
+
+
+def _check_mesh(mesh: DeviceMesh) -> None:
     world = dist.get_world_size()
-    tp = [x for x in optree.tree_leaves(params) if isinstance(x, DTensor)]
-    if mesh.size() != world and not any(is_model_parallel(x, mesh) for x in tp):
+    if mesh.size() != world and sub_mesh_problem(mesh):
         raise ValueError(
             f"shard: the mesh has {mesh.size()} ranks (shape {tuple(mesh.shape)}), but the process "
             f"group has {world}; funcshard shards over every rank. Build the mesh with "
@@ -118,8 +138,6 @@ def _check_mesh(mesh: DeviceMesh, params: PyTree) -> None:
             "data-parallel mesh of FSDP x TP, for a tree holding the DTensors of a module "
             "parallelized on the other dims (docs/parallelism.md)."
         )
-    if mesh.size() != world:
-        data_parallel(mesh)
     check_mesh("<mesh>", mesh, "shard")
 
 
