@@ -80,10 +80,10 @@ def loss(out, y):
 
 class Counter:
     """Counts collectives by (kind, mesh dim name), for functional (funcshard, DTensor) and
-    in-place (FSDP2) c10d ops: ``with Counter(mesh) as c: ...; c.counts``."""
+    in-place (FSDP2) c10d ops: ``with Counter(mesh, ...) as c: ...; c.counts``."""
 
-    def __init__(self, m) -> None:
-        self.names = {m[n].get_group().group_name: n for n in m.mesh_dim_names}
+    def __init__(self, *meshes) -> None:
+        self.names = {m[n].get_group().group_name: n for m in meshes for n in m.mesh_dim_names}
         self.counts: dict[tuple[str, str], int] = {}
 
     def __enter__(self):
@@ -114,3 +114,33 @@ class Counter:
             a = dist.ProcessGroup.unbox(a)
         name = a if isinstance(a, str) else getattr(a, "group_name", None)
         return self.names.get(name) if isinstance(name, str) else None
+
+
+E = 4  # experts
+
+
+class MoE(nn.Module):
+    """A router and E experts (stacked ``[E, ...]`` weights), top-2: each token's output is the
+    gate-weighted sum of its two experts (computed densely: a tiny model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(IN, D)
+        self.router = nn.Linear(D, E, bias=False)
+        self.w1 = nn.Parameter(torch.randn(E, D, H) * D**-0.5)
+        self.w2 = nn.Parameter(torch.randn(E, H, D) * H**-0.5)
+        self.head = nn.Linear(D, OUT)
+
+    def forward(self, x):
+        h = self.inp(x)
+        logits = self.router(h)
+        top, idx = logits.topk(2, dim=-1)
+        gates = torch.zeros_like(logits).scatter(-1, idx, top.softmax(-1))
+        y = torch.einsum("td,edh->teh", h, self.w1).relu()
+        y = torch.einsum("teh,ehd->ted", y, self.w2)
+        return self.head(h + (gates.unsqueeze(-1) * y).sum(1))
+
+
+def make_moe(seed: int = 0) -> MoE:
+    torch.manual_seed(seed)
+    return MoE()

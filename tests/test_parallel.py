@@ -9,11 +9,14 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-from _tp import Counter, batch, dp_rank, loss, make, parallelized
+from _tp import Counter, batch, dp_rank, loss, make, make_moe, parallelized
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import funcshard as fs
+
+from _checks import raises
+from _mesh import mesh
 
 
 def _global_loss(value: torch.Tensor, m) -> float:
@@ -202,8 +205,6 @@ def _full(t):
 
 
 def mesh_1d(shape, names=None):
-    from _mesh import mesh
-
     return mesh(*shape, names=names)
 
 
@@ -352,7 +353,6 @@ def test_reduce(world4):
 def bad_inputs():
     from torch.distributed.tensor import DTensor, Partial
 
-    from _checks import raises
     from _mesh import mesh
 
     m, model = parallelized()
@@ -389,6 +389,18 @@ def bad_inputs():
             "process group has 4",
             "data-parallel mesh of FSDP x TP",
         ),
+        raises(  # a per-parameter mesh that does not cover the ranks
+            lambda: fs.shard(
+                {"experts": torch.ones(4, 2), "router": torch.ones(2)},
+                mesh(4, names=("world",)),
+                lambda path, t: (other["b"], Shard(0)) if path == "experts" else None,
+            ),
+            ValueError,
+            "'experts'",
+            "its own mesh",
+            "does not cover the 4 ranks",
+            "mesh of every rank",
+        ),
         raises(
             lambda: fs.shard(fs.shard({"w": w}, m["dp"]), m["dp"]),
             ValueError,
@@ -401,3 +413,55 @@ def bad_inputs():
 def test_bad_inputs(world4):
     for rank in world4.run(bad_inputs):
         assert rank == [None] * len(rank), rank
+
+
+def moe_per_parameter_meshes(steps: int):
+    """Experts (stacked [E, ...] weights) on their own (ep, edp) mesh, split over experts and
+    over a second dim; the router and dense weights on the 1-D mesh of every rank; all in one
+    group, each gathered on its own mesh. vs the unsharded model on the global batch +
+    torch.optim.AdamW, with the collectives per mesh dim."""
+    dense = mesh(4, names=("world",))
+    experts = mesh(2, 2, names=("ep", "edp"))
+    model, ref = make_moe(), make_moe()
+
+    def placement(path, t):
+        return (experts, (Shard(0), Shard(1))) if path in ("w1", "w2") else None
+
+    sharded = fs.shard(fs.extract(model)[0], dense, placement)
+    plan = fs.plan(model)
+    apply = fs.schedule(model, plan)
+    opt = fs.optim.adamw(1e-2)
+    state = opt.init(sharded)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    out = []
+    for step in range(steps):
+        x, y = batch(step, dist.get_rank(), dp=4)
+        with Counter(dense, experts) as c:
+            value, grads = fs.value_and_grad(lambda p, x, y: loss(apply(p, x), y))(sharded, x, y)
+        gx, gy = batch(step, dp=4)
+        ref_loss = loss(ref(gx), gy)
+        ref_loss.backward()
+        rp = dict(ref.named_parameters())
+        grad_err = max((g.full_tensor() - rp[k].grad).abs().max().item() for k, g in grads.items())
+        sharded, state = fs.optim.step(opt, sharded, grads, state)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        param_err = max((p.full_tensor() - rp[k]).abs().max().item() for k, p in sharded.items())
+        value = value.detach().clone()
+        dist.all_reduce(value)
+        meshes = {k: tuple(p.device_mesh.mesh_dim_names) for k, p in sharded.items()}
+        out.append((abs(value.item() / 4 - ref_loss.item()), grad_err, param_err, c.counts,
+                    meshes, len(plan.groups)))  # fmt: skip
+    return out
+
+
+def test_moe_per_parameter_meshes(world4):
+    for rank in world4.run(moe_per_parameter_meshes, 2):
+        for loss_err, grad_err, param_err, counts, meshes, groups in rank:
+            assert loss_err < 1e-6 and grad_err < 1e-6 and param_err < 1e-6, rank
+            assert meshes["w1"] == ("ep", "edp") and meshes["router.weight"] == ("world",)
+            assert groups == 1
+            # one group: the dense bucket over every rank, the experts over edp then ep
+            per_dim = {("all_gather", d): 1 for d in ("world", "ep", "edp")}
+            per_dim |= {("reduce_scatter", d): 1 for d in ("world", "ep", "edp")}
+            assert counts == per_dim, counts

@@ -46,7 +46,9 @@ def shard(
             "dp_shard"]``).
         placements: one placement per mesh dim; or a single placement, meaning that placement on
             the last mesh dim and ``Replicate()`` on the others; or ``fn(path, tensor)`` returning
-            either (or ``None`` for the default), like FSDP2's ``shard_placement_fn``. Default:
+            either (or ``None`` for the default), like FSDP2's ``shard_placement_fn``; or, from
+            ``fn``, a pair ``(own_mesh, placements)`` giving that parameter a mesh of its own
+            (MoE experts on an ``(ep, dp)`` mesh, dense weights on ``mesh``). Default:
             ``Shard(0)`` on the last mesh dim (``Replicate()`` for 0-d tensors). Sizes need not
             divide: chunks follow ``torch.chunk``, and trailing ranks may hold empty shards.
 
@@ -66,9 +68,11 @@ def shard(
     made: set[int] = set()
 
     def parallel(path: str, x):
-        if isinstance(x, DTensor) and is_model_parallel(x, mesh):
-            x = _shard_model_parallel(path, x, mesh, _resolve(path, x, mesh, placements))
-            made.add(id(x))
+        if isinstance(x, DTensor):
+            target, pl = _resolve(path, x, mesh, placements)
+            if is_model_parallel(x, target):
+                x = _shard_model_parallel(path, x, target, pl)
+                made.add(id(x))
         return x
 
     params = map_with_path(parallel, params)  # first: makes mesh a data-parallel mesh
@@ -89,32 +93,61 @@ def shard(
                 f"shard: {path!r} is a {type(x).__name__}; every leaf must be a tensor (use None "
                 "for an absent entry)."
             )
+        mesh_, pl = _resolve(path, x, mesh, placements)
+        if mesh_ is not mesh:
+            _check_own_mesh(path, mesh_, mesh)
         if x.device.type not in (mesh.device_type, "meta"):
             raise ValueError(
                 f"shard: {path!r} is on {x.device}, but the mesh is a {mesh.device_type!r} mesh; "
                 f"move the parameters to {mesh.device_type!r} (or build the mesh for "
                 f"{x.device.type!r}) first."
             )
-        pl = _resolve(path, x, mesh, placements)
-        check_storage_placements(path, pl, mesh, x.dim())
+        check_storage_placements(path, pl, mesh_, x.dim())
         stride = torch.empty(x.shape, device="meta").stride()
-        spec = ShardSpec(mesh, pl, tuple(x.shape), tuple(stride))
+        spec = ShardSpec(mesh_, pl, tuple(x.shape), tuple(stride))
         local = _cut(x.detach(), spec)
-        out = DTensor.from_local(local, mesh, pl, run_check=False, shape=x.shape, stride=stride)
+        out = DTensor.from_local(local, mesh_, pl, run_check=False, shape=x.shape, stride=stride)
         return out.requires_grad_(x.requires_grad)
 
     return map_with_path(one, params)
 
 
-def _resolve(path: str, x: torch.Tensor, mesh: DeviceMesh, placements) -> tuple[Placement, ...]:
+def _resolve(path: str, x: torch.Tensor, mesh: DeviceMesh, placements):
+    """``(mesh, placements)`` of one leaf: ``placements`` (or what its function returns) may
+    name a mesh of the leaf's own, as ``(mesh, placements)``."""
     p = placements
     if callable(p) and not isinstance(p, Placement):
         p = p(path, x)
+    if isinstance(p, tuple) and p and isinstance(p[0], DeviceMesh):
+        if len(p) != 2:
+            raise ValueError(
+                f"shard: the placements of {path!r} are {p!r}; a parameter's own mesh is given "
+                "as a pair (mesh, placements), e.g. (expert_mesh, (Shard(0), Shard(1)))."
+            )
+        mesh, p = p
     if p is None:
         p = Replicate() if x.dim() == 0 else Shard(0)
     if isinstance(p, Placement):
         p = (Replicate(),) * (mesh.ndim - 1) + (p,)
-    return tuple(p)
+    return mesh, tuple(p)
+
+
+def _check_own_mesh(path: str, own: DeviceMesh, mesh: DeviceMesh) -> None:
+    """A parameter's own mesh must cover the ranks as ``mesh`` does (see ``_check_mesh``)."""
+    if not isinstance(own, DeviceMesh) or own.device_type != mesh.device_type:
+        raise ValueError(
+            f"shard: {path!r} is given its own mesh {own}, which is not a {mesh.device_type!r} "
+            "DeviceMesh like the tree's mesh; build it with init_device_mesh on the same device."
+        )
+    if own.size() != dist.get_world_size() and sub_mesh_problem(own):
+        raise ValueError(
+            f"shard: {path!r} is given its own mesh {own} of {own.size()} ranks, which does not "
+            f"cover the {dist.get_world_size()} ranks (the tree's mesh is {mesh}): its "
+            "gradients would be averaged over part of the data. Give it a mesh of every rank, "
+            "e.g. init_device_mesh(device, (ep, world // ep), mesh_dim_names=('ep', 'dp')) for "
+            "experts, or the data-parallel dims of a mesh whose other dims parallelize it."
+        )
+    check_mesh(path, own, "shard")
 
 
 def _check_group(mesh: DeviceMesh) -> None:
