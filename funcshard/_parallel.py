@@ -38,26 +38,60 @@ _DP_DIMS: dict[DeviceMesh, tuple[int, ...]] = {}
 _DATA_PARALLEL: set[DeviceMesh] = set()
 
 
-def record(mesh: DeviceMesh, dp_dims: tuple[int, ...], path: str) -> None:
-    """Remember that funcshard gathers ``mesh``'s dims ``dp_dims`` (the others are TP's).
+def record(mesh: DeviceMesh, dp_dims: tuple[int, ...], spmd: bool, path: str) -> None:
+    """Remember that funcshard gathers ``mesh``'s dims ``dp_dims`` (the others are TP's), and
+    whether the module computes on the whole mesh (``spmd``, see [Note: full SPMD]).
 
     Raises:
         ValueError: the same mesh was already used with other dp dims.
     """
     _DATA_PARALLEL.add(submesh(mesh, dp_dims))
-    known = _DP_DIMS.setdefault(mesh, dp_dims)
-    if known != dp_dims:
+    known = _DP_DIMS.setdefault(mesh, (dp_dims, spmd))
+    if known != (dp_dims, spmd):
         names = mesh.mesh_dim_names
         raise ValueError(
             f"shard: {path!r} would make the dims {[names[i] for i in dp_dims]} of {mesh} its "
             f"data-parallel dims, but this mesh already has the data-parallel dims "
-            f"{[names[i] for i in known]}. Use one data-parallel mesh per model-parallel mesh."
+            f"{[names[i] for i in known[0]]} (full SPMD: {known[1]}). Use one data-parallel mesh "
+            "per model-parallel mesh."
         )
 
 
-def dp_dims(mesh: DeviceMesh) -> tuple[int, ...] | None:
-    """The recorded data-parallel dims of ``mesh`` (``None``: all of them)."""
-    return _DP_DIMS.get(mesh) if _DP_DIMS else None
+def dp_dims(mesh: DeviceMesh) -> tuple[tuple[int, ...] | None, bool]:
+    """The recorded data-parallel dims of ``mesh`` (``None``: all of them) and whether the
+    module computes on the whole mesh."""
+    return _DP_DIMS.get(mesh, (None, False)) if _DP_DIMS else (None, False)
+
+
+def layout_mesh(path: str, x: DTensor, dp_mesh: DeviceMesh):
+    """``(mesh, dp dims, spmd)`` of the 2-D layout of ``x`` sharded over ``dp_mesh``.
+
+    [Note: full SPMD]
+    A DTensor of the *whole* mesh with ``Replicate()`` on the dims of ``dp_mesh`` (FSDP2's
+    ``dp_mesh_dims``: a model written as DTensor ops on the whole mesh, the batch sharded over
+    dp) keeps its mesh: the dp dims are ``dp_mesh``'s names in it, and the module computes with
+    DTensors of that mesh, ``Replicate()`` on the dp dims. Its gradients arrive ``Partial`` over
+    dp (each rank's share of the global-batch loss) and are made whole over dp before the
+    reduce-scatter averages them: the same values as FSDP2, one all-reduce per parameter more
+    (FSDP2 reduce-scatters the partial sums; see docs/parallelism.md).
+    Otherwise ``x`` is a TP DTensor of other dims: the mesh is the concatenation.
+
+    Raises:
+        ValueError: see :func:`concatenate`; a full-mesh DTensor not replicated over dp.
+    """
+    mesh, dp_names = x.device_mesh, dp_mesh.mesh_dim_names or ()
+    names = mesh.mesh_dim_names or ()
+    if not (dp_names and set(dp_names) < set(names)):
+        return concatenate(path, dp_mesh, mesh), tuple(range(dp_mesh.ndim)), False
+    dims = tuple(names.index(n) for n in dp_names)
+    if any(x.placements[i] != Replicate() for i in dims) or dp_mesh != submesh(mesh, dims):
+        raise ValueError(
+            f"shard: {path!r} is a DTensor on {mesh} placed as {tuple(x.placements)}; to shard "
+            f"it over its dims {list(dp_names)} (full SPMD, FSDP2's dp_mesh_dims) it must be "
+            "Replicate() on them, and the data-parallel mesh a slice of its mesh. Distribute "
+            "the parameters with Replicate() on the data-parallel dims."
+        )
+    return mesh, dims, True
 
 
 @functools.lru_cache(maxsize=256)
@@ -101,15 +135,17 @@ def concatenate(path: str, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMe
         ) from e
 
 
-def storage_placements(dp: tuple[Placement, ...], tp: tuple[Placement, ...], tp_sizes):
-    """DTensor placements of the 2-D layout: ``dp`` (funcshard's ``Shard`` / ``Replicate`` of the
-    TP-local tensor) then ``tp``. A dp ``Shard(d)`` of a dim that tp also splits becomes
-    ``_StridedShard(d, split_factor)`` (see [Note: the 2-D layout])."""
-    out = []
-    for p in dp:
-        factor = math.prod(n for q, n in zip(tp, tp_sizes, strict=True) if _splits(q, p))
-        out.append(_StridedShard(p.dim, split_factor=factor) if factor > 1 else p)
-    return (*out, *tp)
+def storage_placements(placements: tuple[Placement, ...], dims: tuple[int, ...], sizes):
+    """DTensor placements of the 2-D layout: on ``dims`` funcshard's ``Shard`` / ``Replicate``
+    of the TP-local tensor, on the other dims the TP placements. A dp ``Shard(d)`` of a dim that
+    a TP dim to its right also splits becomes ``_StridedShard(d, split_factor)`` (DTensor
+    splits mesh dims left to right; see [Note: the 2-D layout])."""
+    out = list(placements)
+    for i in dims:
+        p, right = placements[i], range(i + 1, len(placements))
+        factor = math.prod(sizes[j] for j in right if j not in dims and _splits(placements[j], p))
+        out[i] = _StridedShard(p.dim, split_factor=factor) if factor > 1 else p
+    return tuple(out)
 
 
 def _splits(q: Placement, p: Placement) -> bool:
@@ -149,9 +185,13 @@ def is_model_parallel(x: DTensor, dp_mesh: DeviceMesh) -> bool:
     """Whether ``x`` is a TP (or EP) DTensor to shard over ``dp_mesh`` (a mesh of other dims),
     rather than a DTensor funcshard (or anyone) already sharded over it."""
     mesh = x.device_mesh
-    if (_DP_DIMS and mesh in _DP_DIMS) or mesh == dp_mesh:
+    dims, spmd = dp_dims(mesh)
+    if dims is not None:  # a 2-D layout's mesh: full SPMD parameters are replicated over dp
+        return spmd and all(x.placements[i] == Replicate() for i in dims)
+    if mesh == dp_mesh:
         return False
-    return not set(mesh.mesh_dim_names or ()) & set(dp_mesh.mesh_dim_names or ())
+    names, dp_names = set(mesh.mesh_dim_names or ()), set(dp_mesh.mesh_dim_names or ())
+    return not names & dp_names or (bool(dp_names) and dp_names < names)  # TP, or full SPMD
 
 
 def sub_mesh_problem(mesh: DeviceMesh) -> str | None:

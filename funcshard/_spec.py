@@ -45,7 +45,9 @@ class ShardSpec:
     ``dp_dims``: for FSDP x TP's 2-D layout (see [Note: the 2-D layout] in ``_parallel``), the
     mesh dims funcshard gathers over; the other mesh dims are tensor parallel: they split the
     tensor first, and the dp dims split the TP-local tensor (DTensor writes such a dp placement
-    as ``_StridedShard``). ``None``: every mesh dim is funcshard's.
+    as ``_StridedShard``). ``None``: every mesh dim is funcshard's. ``spmd``: the module
+    computes on the whole mesh, ``Replicate()`` on the dp dims (see [Note: full SPMD]), rather
+    than on the TP sub-mesh.
     """
 
     mesh: DeviceMesh
@@ -53,6 +55,7 @@ class ShardSpec:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dp_dims: tuple[int, ...] | None = None
+    spmd: bool = False
 
     @staticmethod
     def of(dtensor: DTensor) -> ShardSpec:
@@ -62,7 +65,7 @@ class ShardSpec:
             tuple(dtensor.placements),
             tuple(dtensor.shape),
             tuple(dtensor.stride()),
-            _parallel.dp_dims(mesh),
+            *_parallel.dp_dims(mesh),
         )
 
     def order(self) -> tuple[int, ...]:
@@ -102,8 +105,12 @@ class ShardSpec:
         return self if self.dp_dims is None else _gathered(self)
 
     def model(self) -> ShardSpec:
-        """The tensor-parallel DTensor the module computes with (2-D layouts only): the TP
-        sub-mesh and placements, the global shape."""
+        """The DTensor the module computes with (2-D layouts only): the TP sub-mesh and
+        placements, the global shape (full SPMD: the whole mesh, ``Replicate()`` over dp)."""
+        if self.spmd:
+            whole = tuple(Replicate() if i in self.dp_dims else p
+                          for i, p in enumerate(self.placements))  # fmt: skip
+            return ShardSpec(self.mesh, whole, self.shape, self.stride)
         kept = self.order()[: self.mesh.ndim - len(self.dp_dims or ())]
         return ShardSpec(
             _parallel.submesh(self.mesh, kept),

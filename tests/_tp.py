@@ -144,3 +144,31 @@ class MoE(nn.Module):
 def make_moe(seed: int = 0) -> MoE:
     torch.manual_seed(seed)
     return MoE()
+
+
+class SPMDNet(nn.Module):
+    """The Megatron MLP written as DTensor ops on a whole ``(dp, tp)`` mesh (full SPMD): the
+    input is a DTensor sharded over dp on the batch, the loss a global-batch mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(IN, H)
+        self.w2 = nn.Linear(H, OUT)
+
+    def forward(self, x):
+        return self.w2(torch.relu(self.w1(x)))
+
+
+def spmd_net(m, seed: int = 0) -> SPMDNet:
+    """The net with DTensor parameters of the whole mesh: colwise w1, rowwise w2, Replicate()
+    over dp (the layout FSDP2's ``dp_mesh_dims`` takes)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    torch.manual_seed(seed)
+    net = SPMDNet()
+    tp = {"w1.weight": Shard(0), "w1.bias": Shard(0), "w2.weight": Shard(1), "w2.bias": Replicate()}
+    for name, p in list(net.named_parameters()):
+        owner, attr = name.split(".")
+        d = distribute_tensor(p.detach(), m, [Replicate(), tp[name]])
+        setattr(getattr(net, owner), attr, nn.Parameter(d))
+    return net

@@ -9,8 +9,19 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-from _tp import Counter, batch, dp_rank, loss, make, make_moe, parallelized
-from torch.distributed.fsdp import fully_shard
+from _tp import (
+    IN,
+    Counter,
+    SPMDNet,
+    batch,
+    dp_rank,
+    loss,
+    make,
+    make_moe,
+    parallelized,
+    spmd_net,
+)
+from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import funcshard as fs
@@ -465,3 +476,61 @@ def test_moe_per_parameter_meshes(world4):
             per_dim = {("all_gather", d): 1 for d in ("world", "ep", "edp")}
             per_dim |= {("reduce_scatter", d): 1 for d in ("world", "ep", "edp")}
             assert counts == per_dim, counts
+
+
+def full_spmd_vs_fsdp2(steps: int):
+    """Parameters that are DTensors of the whole (dp, tp) mesh, sharded with fs.shard(params,
+    mesh['dp']) (FSDP2's dp_mesh_dims): the module computes on the whole mesh with the batch
+    sharded over dp. vs fully_shard(net, mesh, dp_mesh_dims=...) and the unsharded net."""
+
+    # a mesh of its own: the (dp, tp) mesh of the other tests holds TP-sub-mesh layouts
+    m = mesh(2, 2, names=("batch", "model"))
+    net, ref = spmd_net(m), spmd_net(m)
+    fully_shard(ref, mesh=m, dp_mesh_dims=DataParallelMeshDims(shard="batch"))
+    sharded = fs.shard(fs.extract(net)[0], m["batch"])
+    torch.manual_seed(0)
+    plain = SPMDNet()
+    out = []
+    for step in range(steps):
+        gx, gy = (t[:, :IN] if t.shape[1] >= IN else t for t in batch(step))
+        xd = distribute_tensor(gx, m, [Shard(0), Replicate()])
+        yd = distribute_tensor(gy, m, [Shard(0), Replicate()])
+
+        def loss_fn(p, xd, yd):
+            return loss(fs.functional_call(net, fs.unshard(p), (xd,)), yd).full_tensor()
+
+        value, grads = fs.value_and_grad(loss_fn)(sharded, xd, yd)
+        ref_loss = loss(ref(xd), yd).full_tensor()
+        # the gradients arrive as partial sums of the global-batch loss's gradient; FSDP2
+        # averages them over dp (its default divide factor; a factor of 1 needs PREMUL_SUM,
+        # which gloo lacks), funcshard adds them: scale FSDP2's loss by the dp size
+        (ref_loss * m["batch"].size()).backward()
+        plain_loss = loss(plain(gx), gy)
+        plain_loss.backward()
+        rp, pp = dict(ref.named_parameters()), dict(plain.named_parameters())
+        fsdp_err = max((g.full_tensor() - rp[k].grad.full_tensor()).abs().max().item()
+                       for k, g in grads.items())  # fmt: skip
+        plain_err = max((g.full_tensor() - pp[k].grad).abs().max().item()
+                        for k, g in grads.items())  # fmt: skip
+        layout = all(
+            sharded[k].placements == p.placements
+            and torch.allclose(sharded[k].to_local(), p.to_local(), atol=1e-6)
+            for k, p in rp.items()
+        )
+        out.append((abs(value.item() - plain_loss.item()), abs(ref_loss.item() - value.item()),
+                    fsdp_err, plain_err, layout))  # fmt: skip
+        with torch.no_grad():
+            for k in rp:
+                rp[k] -= 0.1 * rp[k].grad
+                rp[k].grad = None
+                pp[k] -= 0.1 * pp[k].grad
+                pp[k].grad = None
+            sharded = {k: p - 0.1 * grads[k] for k, p in sharded.items()}
+    return out
+
+
+def test_full_spmd_vs_fsdp2(world4):
+    for rank in world4.run(full_spmd_vs_fsdp2, 2):
+        for loss_err, fsdp_loss_err, fsdp_err, plain_err, layout in rank:
+            assert loss_err < 1e-6 and fsdp_loss_err < 1e-6, rank
+            assert fsdp_err < 1e-6 and plain_err < 1e-6 and layout, rank

@@ -11,8 +11,8 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from .._parallel import (
     check_model_placements,
-    concatenate,
     is_model_parallel,
+    layout_mesh,
     record,
     storage_placements,
     sub_mesh_problem,
@@ -175,16 +175,17 @@ def _check_mesh(mesh: DeviceMesh) -> None:
 
 
 def _shard_model_parallel(path: str, x: DTensor, mesh: DeviceMesh, pl) -> DTensor:
-    """A tensor-parallel DTensor -> the 2-D layout: its TP-local tensor sharded over ``mesh``
-    (see [Note: the 2-D layout] in ``_parallel``)."""
+    """A tensor-parallel (or full-SPMD) DTensor -> the 2-D layout: its TP-local tensor sharded
+    over ``mesh`` (see [Note: the 2-D layout] in ``_parallel``)."""
     check_model_placements(path, x)
-    spmd = concatenate(path, mesh, x.device_mesh)
-    dims = tuple(range(mesh.ndim))
-    record(spmd, dims, path)
+    spmd, dims, full = layout_mesh(path, x, mesh)
+    record(spmd, dims, full, path)
     check_storage_placements(path, pl, mesh, x.dim())
-    tp = tuple(x.placements)
-    placements = storage_placements(pl, tp, tuple(x.device_mesh.shape))
-    spec = ShardSpec(spmd, placements, tuple(x.shape), tuple(x.stride()), dims)
+    merged = list(x.placements) if full else [*pl, *x.placements]
+    for i, p in zip(dims, pl, strict=True):
+        merged[i] = p
+    placements = storage_placements(tuple(merged), dims, tuple(spmd.shape))
+    spec = ShardSpec(spmd, placements, tuple(x.shape), tuple(x.stride()), dims, full)
     local = _cut(x._local_tensor.detach(), spec.gathered())
     out = DTensor.from_local(
         local, spmd, placements, run_check=False, shape=spec.shape, stride=spec.stride
