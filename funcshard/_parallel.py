@@ -104,10 +104,12 @@ def submesh(mesh: DeviceMesh, dims: tuple[int, ...]) -> DeviceMesh:
 def concatenate(path: str, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
     """The mesh ``(dp dims..., tp dims...)`` of a 2-D layout (FSDP2's ``_spmd_mesh``).
 
-    [Note: one private DeviceMesh API]
-    ``DeviceMesh._concatenate`` joins two slices of one root mesh without new process groups;
-    FSDP2 uses it for the same purpose. ``tests/test_parallel.py`` builds 2-D layouts with it,
-    so a torch upgrade that changes it fails there.
+    [Note: private torch APIs of the 2-D layout]
+    ``DeviceMesh._concatenate`` joins two slices of one root mesh without new process groups,
+    ``DeviceMesh._get_root_mesh`` tells whether two meshes slice the same root, and
+    ``_StridedShard`` is DTensor's placement for a dp split of a TP-local tensor; FSDP2 uses all
+    three for the same purposes, and they are used here only. ``tests/test_parallel.py`` builds
+    2-D layouts and compares them with FSDP2's, so a torch upgrade that changes them fails there.
 
     Raises:
         ValueError: unnamed meshes, meshes of different roots, or overlapping meshes.
@@ -246,3 +248,18 @@ def model_local(path: str, full: torch.Tensor, spec) -> torch.Tensor:
     ):
         full = full.narrow(d, offset, size) if size != full.shape[d] else full
     return full
+
+
+def refuse_unsynced(paths, specs, fn: str) -> None:
+    """``sync_grads=False`` is not supported on 2-D layouts (yet).
+
+    Raises:
+        NotImplementedError: naming the first 2-D parameter and the fix.
+    """
+    for path, spec in zip(paths, specs, strict=True):
+        if spec.dp_dims is not None:
+            raise NotImplementedError(
+                f"{fn}: {path!r} is tensor parallel (FSDP x TP), and fs.value_and_grad(..., "
+                "sync_grads=False) does not support 2-D layouts yet. Use sync_grads=True (the "
+                "default) and add the sharded gradients of the micro-batches."
+            )

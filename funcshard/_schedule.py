@@ -472,6 +472,7 @@ class _Run:
         notify = self._post_backward(state) if self.tracking and torch.is_grad_enabled() else None
         state.wait(notify, self.tracking)
         if first and self.sink is not None:  # see [Note: gradient accumulation without ...]
+            _parallel.refuse_unsynced([lay.path for lay in state.layouts], state.specs, "schedule")
             self.sink.track(state.leaves, state.raw)
         for p in state.pointers():
             self.owner[p] = state.name

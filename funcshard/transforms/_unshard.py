@@ -57,6 +57,7 @@ def unshard(
     _consensus.agree("unshard", [_consensus.leaf(p, s, t) for p, s, t in entries], opts.key())
     fulls = _flat.gather(locals_, layouts, opts) if locals_ else []
     if (sink := _sink.current()) is not None:  # see [Note: gradient accumulation without ...]
+        _parallel.refuse_unsynced(paths, specs, "unshard")
         sink.track(leaves, fulls)
     fulls = _parallel.wrap(fulls, specs)  # FSDP x TP: DTensors on the TP mesh
     return unflatten(spec, fulls)
