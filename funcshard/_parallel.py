@@ -150,6 +150,38 @@ def storage_placements(placements: tuple[Placement, ...], dims: tuple[int, ...],
     return tuple(out)
 
 
+def check_composable(path: str, shape, placements, dims, mesh: DeviceMesh) -> None:
+    """A dp ``Shard(d)`` on top of TP dims that split ``d`` needs ``d`` divisible by them.
+
+    [Note: uneven TP splits under a dp split]
+    funcshard (and FSDP2) split the TP-local tensor with ``torch.chunk`` over dp. When tp splits
+    the same dim into unequal parts (7 rows over 2 ranks: 4 and 3), DTensor's reading of the
+    stored ``_StridedShard`` differs from that for some sizes (7 rows, dp 3: the last rank holds
+    row 6 by ``torch.chunk`` but an empty shard by ``_StridedShard``), so ``full_tensor()`` and
+    checkpoints would misplace rows. Such a parameter is refused rather than silently misread.
+
+    Raises:
+        ValueError: naming the parameter, its shape, the meshes and the fix.
+    """
+    for i in dims:
+        p = placements[i]
+        if not isinstance(p, Shard):
+            continue
+        tp = [j for j in range(len(placements)) if j not in dims and _splits(placements[j], p)]
+        factor = math.prod(mesh.size(j) for j in tp)
+        if factor > 1 and shape[p.dim] % factor:
+            names = mesh.mesh_dim_names
+            raise ValueError(
+                f"shard: {path!r} of shape {list(shape)}: dim {p.dim} is split by "
+                f"{[names[j] for j in tp]} into unequal parts ({shape[p.dim]} over {factor}), "
+                f"and a data-parallel {p!r} on top of that cannot be described by DTensor (see "
+                "[Note: uneven TP splits under a dp split]). Shard it over "
+                f"{[names[j] for j in dims]} along another dim (a placements function "
+                "returning e.g. Shard(1) for it, or Replicate() for a 1-d tensor), or make the "
+                f"dim divisible by {factor}."
+            )
+
+
 def _splits(q: Placement, p: Placement) -> bool:
     return isinstance(p, Shard) and isinstance(q, Shard | _StridedShard) and q.dim == p.dim
 

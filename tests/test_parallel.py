@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 import funcshard as fs
 
@@ -299,6 +300,10 @@ def bad_inputs():
     other = mesh(2, 2, names=("a", "b"))  # another root mesh of the same ranks
     w = params["blocks.0.w1.weight"]
     partial = DTensor.from_local(torch.ones(3, 8), m["tp"], [Partial()])
+    odd = parallelize_module(torch.nn.Linear(8, 7, bias=False), m["tp"], ColwiseParallel())
+    # the fix the message gives: shard that weight over dp along its other dim
+    fixed = fs.shard(fs.extract(odd)[0], m["dp"], lambda p, t: Shard(1) if p == "weight" else None)
+    assert torch.equal(fixed["weight"].full_tensor(), fs.extract(odd)[0]["weight"].full_tensor())
     return [
         raises(
             lambda: fs.shard({"w": w}, other["a"]),
@@ -320,6 +325,13 @@ def bad_inputs():
             ValueError,
             "'w'",
             "out of range",
+        ),
+        raises(  # 7 rows over tp 2, then over dp: DTensor cannot describe it
+            lambda: fs.shard(fs.extract(odd)[0], m["dp"]),
+            ValueError,
+            "'weight'",
+            "unequal parts (7 over 2)",
+            "along another dim",
         ),
         raises(  # plain parameters on a sub-mesh, with no TP module in sight
             lambda: fs.shard({"norm": torch.ones(4)}, other["a"]),

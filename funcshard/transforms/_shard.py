@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from .._parallel import (
+    check_composable,
     check_model_placements,
     is_model_parallel,
     layout_mesh,
@@ -184,6 +185,7 @@ def _shard_model_parallel(path: str, x: DTensor, mesh: DeviceMesh, pl) -> DTenso
     merged = list(x.placements) if full else [*pl, *x.placements]
     for i, p in zip(dims, pl, strict=True):
         merged[i] = p
+    check_composable(path, tuple(x.shape), merged, dims, spmd)
     placements = storage_placements(tuple(merged), dims, tuple(spmd.shape))
     spec = ShardSpec(spmd, placements, tuple(x.shape), tuple(x.stride()), dims, full)
     local = _cut(x._local_tensor.detach(), spec.gathered())
