@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from . import _parallel
 from ._compile import untraced
 from ._spec import ShardSpec
 
@@ -83,7 +84,7 @@ def _describe(leaves, options) -> list[tuple[str, str]]:
     out = []
     for path, spec, dtype, grad in leaves:
         placements = ", ".join(str(p) for p in spec.placements)
-        mesh = spec.mesh.mesh.tolist()
+        mesh = _parallel.describe(spec.mesh)  # the same on every rank, sub-meshes too
         grad = "requires grad" if grad else "no grad"
         out.append((path, f"{dtype} {list(spec.shape)} ({placements}) on mesh {mesh}, {grad}"))
     out.extend((f"<{name}>", repr(value)) for name, value in options)

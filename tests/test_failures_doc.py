@@ -44,6 +44,7 @@ AREAS = {
     "_dtensor.py": TORCH_FUNC,
     "_spec.py::check_materialized": INIT,
     "transforms/_shard.py": SHARDING,
+    "_parallel.py": SHARDING,
     "_consensus.py": TREES,
     "_tree.py": TREES,
     "_autodiff.py": GRADIENTS,
