@@ -249,7 +249,7 @@ def wrap(fulls: list[torch.Tensor], specs) -> list[torch.Tensor]:
     where = [i for i, s in enumerate(specs) if s.dp_dims is not None]
     if not where:
         return fulls
-    made = _dtensor.from_local([fulls[i] for i in where], [specs[i].model() for i in where])
+    made = _dtensor.dtensors_of([fulls[i] for i in where], [specs[i].model() for i in where])
     out = list(fulls)
     for i, d in zip(where, made, strict=True):
         out[i] = d
