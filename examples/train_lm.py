@@ -11,6 +11,9 @@ AdamW with warm-up + cosine decay, weight decay on matrices and global-norm clip
 shards in place (``fs.optim.step``). Rank 0 shows a progress bar, evaluates the held-out loss every
 ``--eval-every`` steps, and ends with a generated sample and a summary line.
 
+``--optimizer muon`` trains the blocks' matrices with Muon (``fs.optim.muon_adamw``: Muon at
+``--muon-lr``, AdamW for the embeddings, norms and biases); ``--ema DECAY`` keeps an exponential
+moving average of the weights (``fs.optim.ema``) and evaluates it beside them.
 ``--ckpt-dir DIR --save-every N`` saves the training state; ``--resume`` continues from the newest
 checkpoint, bit for bit on the same number of ranks (see [Note: exact resume]). ``--smoke`` is a
 tiny configuration that checks its own result: the held-out loss must fall below the entropy of
@@ -56,6 +59,9 @@ class Config:
     steps: int = 800  # training
     batch: int = 32  # sequences per step over all ranks: each rank takes batch / world of them
     lr: float = 3e-3
+    optimizer: str = "adamw"  # or "muon": Muon for the blocks' matrices, AdamW for the rest
+    muon_lr: float = 0.02
+    ema: float = 0.0  # the decay of an average of the weights, evaluated beside them (0: none)
     warmup: int = 80
     weight_decay: float = 0.1
     clip: float = 1.0
@@ -222,15 +228,30 @@ def build(cfg: Config, vocab: int, mesh) -> tuple[LM, fs.Plan]:
 
 
 def optimizer(cfg: Config) -> fs.optim.GradientTransformation:
-    lr = fs.optim.warmup_cosine_decay_schedule(
-        0.0, cfg.lr, cfg.warmup, cfg.steps, end_value=cfg.lr / 10
-    )
-    return fs.optim.chain(
-        fs.optim.clip_by_global_norm(cfg.clip),
-        fs.optim.adamw(
-            lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, mask=fs.optim.at_least_2d
-        ),
-    )
+    """Clipping, then AdamW (``--optimizer adamw``) or Muon for the blocks' matrices and AdamW
+    for the rest (``--optimizer muon``), with warm-up + cosine decay."""
+
+    def schedule(peak: float):
+        return fs.optim.warmup_cosine_decay_schedule(
+            0.0, peak, cfg.warmup, cfg.steps, end_value=peak / 10
+        )
+
+    adamw = dict(betas=(0.9, 0.95), weight_decay=cfg.weight_decay, mask=fs.optim.at_least_2d)
+    if cfg.optimizer == "adamw":
+        update = fs.optim.adamw(schedule(cfg.lr), **adamw)
+    elif cfg.optimizer == "muon":
+        update = fs.optim.muon_adamw(
+            schedule(cfg.muon_lr),
+            schedule(cfg.lr),
+            weight_decay=cfg.weight_decay,
+            betas=adamw["betas"],
+            adamw_weight_decay=cfg.weight_decay,
+            adamw_mask=adamw["mask"],
+            is_muon=lambda path, p: p.dim() == 2 and path.startswith("blocks."),
+        )
+    else:
+        raise ValueError(f"--optimizer {cfg.optimizer!r}: choose adamw or muon")
+    return fs.optim.chain(fs.optim.clip_by_global_norm(cfg.clip), update)
 
 
 # ----------------------------------------------------------------------------- steps
@@ -244,10 +265,25 @@ def lm_loss(apply, params, buffers, tokens: torch.Tensor) -> torch.Tensor:
 
 def train_step(apply, opt, params, buffers, opt_state, tokens):
     """One step on this rank's rows: sharded gradients (averaged over ranks), then the donated
-    optimizer step (``params`` and ``opt_state`` are updated in place and returned)."""
+    optimizer step (``params`` and ``opt_state`` are updated in place and returned; with
+    ``--ema``, ``opt_state`` is ``(optimizer state, EmaState)`` and the average follows)."""
     loss, grads = fs.value_and_grad(lambda p: lm_loss(apply, p, buffers, tokens))(params)
+    if isinstance(opt, Averaged):
+        state, average = opt_state
+        params, state = fs.optim.step(opt.opt, params, grads, state)
+        return params, (state, opt.ema.update_inplace(average, params)), loss
     params, opt_state = fs.optim.step(opt, params, grads, opt_state)
     return params, opt_state, loss
+
+
+class Averaged(NamedTuple):
+    """``--ema``: the optimizer, and the average of the weights that follows it."""
+
+    opt: fs.optim.GradientTransformation
+    ema: fs.optim.Ema
+
+    def init(self, params):
+        return self.opt.init(params), self.ema.init(params)
 
 
 def mean_over_ranks(value: torch.Tensor) -> float:
@@ -376,6 +412,7 @@ class Result(NamedTuple):
     vocab: int
     entropy: float  # of the text's bytes: the smoke test's bound
     sample: str | None  # rank 0's generated text
+    heldout_ema: list  # with --ema: (step, held-out loss of the average) of each evaluation
 
 
 def init_distributed(cfg: Config) -> bool:
@@ -427,15 +464,19 @@ def train(cfg: Config) -> Result:
     dtypes = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.bf16 else {}
     apply = fs.schedule(model, plan, **dtypes)
     opt = optimizer(cfg)
+    if cfg.ema:
+        opt = Averaged(opt, fs.optim.ema(cfg.ema))
     params, buffers, opt_state, step, position = start(cfg, model, mesh, opt, text)
     say(describe(params, plan, text, world, step))
 
-    losses, heldout, saving, seconds = [], [], None, 0.0
+    losses, heldout, heldout_ema, saving, seconds = [], [], [], None, 0.0
     if step == 0:
         heldout.append((0, evaluate(model, apply, params, buffers, text, cfg)))
         say(
             f"step 0: held-out loss {heldout[-1][1]:.3f} (uniform: {math.log(len(text.vocab)):.3f})"
         )
+        if cfg.ema:
+            heldout_ema.append((0, heldout[-1][1]))
     bar = tqdm(total=cfg.steps, initial=step, disable=True if rank else None, desc="train")
     while step < (min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps):
         t0 = time.perf_counter()
@@ -452,7 +493,12 @@ def train(cfg: Config) -> Result:
         bar.update()
         if step % cfg.eval_every == 0 or step == cfg.steps:
             heldout.append((step, evaluate(model, apply, params, buffers, text, cfg)))
-            say(f"step {step}: held-out loss {heldout[-1][1]:.3f}")
+            average = ""
+            if cfg.ema:  # the average is evaluated by the same schedule, in place of the weights
+                weights = opt_state[1].average
+                heldout_ema.append((step, evaluate(model, apply, weights, buffers, text, cfg)))
+                average = f" (EMA of the weights: {heldout_ema[-1][1]:.3f})"
+            say(f"step {step}: held-out loss {heldout[-1][1]:.3f}{average}")
         if cfg.ckpt_dir and (step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0)):
             tree = checkpoint_tree(params, buffers, opt_state, step, position, cfg, text)
             saving = fs.checkpoint.async_save(f"{cfg.ckpt_dir}/step_{step:06d}", tree, keep=2)
@@ -460,7 +506,9 @@ def train(cfg: Config) -> Result:
     if saving is not None:
         say(f"saved {saving.wait()}")
     sample = generate(model, params, buffers, text, cfg) if step == cfg.steps else None
-    result = Result(params, step, losses, heldout, len(text.vocab), text.entropy, sample)
+    result = Result(
+        params, step, losses, heldout, len(text.vocab), text.entropy, sample, heldout_ema
+    )
     say(summary(result, cfg, seconds, time.perf_counter() - started))
     if cfg.smoke:
         check(result, cfg)
@@ -495,6 +543,10 @@ def summary(result: Result, cfg: Config, seconds: float, wall: float) -> str:
             f"held-out loss {first:.3f} at step {s0} -> {last:.3f} at step {s1} (uniform: "
             f"{math.log(result.vocab):.3f}; entropy of the bytes: {result.entropy:.3f})"
         )
+    if result.heldout_ema:
+        step, loss = result.heldout_ema[-1]
+        lines.append(f"held-out loss of the EMA of the weights (--ema {cfg.ema}): {loss:.3f} "
+                     f"at step {step}")  # fmt: skip
     lines.append(f"peak RSS {peak_mib():,.0f} MiB on rank 0")
     return "\n".join(lines)
 

@@ -3,6 +3,7 @@
 from . import checkpoint, optim, policy, testing
 from ._autodiff import grad, per_sample_grad, value_and_grad
 from ._bucketing import merge_groups
+from ._construction import Construction, on_meta
 from ._extract import extract, functional_call
 from ._grouping import group
 from ._materialize import materialize
@@ -12,6 +13,7 @@ from ._spec import LocalShard, ShardSpec, from_local, to_local, tree_map
 from .transforms import reduce, shard, unshard
 
 __all__ = [
+    "Construction",
     "Group",
     "LocalShard",
     "Plan",
@@ -25,6 +27,7 @@ __all__ = [
     "group",
     "materialize",
     "merge_groups",
+    "on_meta",
     "optim",
     "per_sample_grad",
     "plan",

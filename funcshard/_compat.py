@@ -3,7 +3,7 @@
 [Note: supported torch versions]
 The eager paths run on torch 2.11, 2.12 and 2.13 (``pyproject.toml`` declares the range); CI
 tests 2.13. Where a newer torch renamed an API, the newer name is used when present. Features
-that need 2.13 check ``HAS_2_13`` and say so (``require_2_13``).
+that need 2.13 check ``HAS_2_13`` and say so (``needs_2_13``).
 """
 
 from __future__ import annotations
@@ -18,11 +18,10 @@ HAS_2_13 = TORCH >= (2, 13)
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def require_2_13(feature: str) -> None:
-    """Raises ``RuntimeError`` naming ``feature`` on a torch older than 2.13."""
-    if not HAS_2_13:
-        raise RuntimeError(
-            f"{feature} needs torch >= 2.13 (this is torch {torch.__version__}); the eager paths "
-            "(shard, unshard, reduce, schedule, value_and_grad, optim, checkpoint) run on 2.11 "
-            "and later. Upgrade torch, or use funcshard eagerly."
-        )
+def needs_2_13(feature: str) -> str:
+    """The error message for ``feature`` on a torch older than 2.13."""
+    return (
+        f"{feature} needs torch >= 2.13 (this is torch {torch.__version__}); the eager paths "
+        "(shard, unshard, reduce, schedule, value_and_grad, optim, checkpoint) run on 2.11 and "
+        "later. Upgrade torch, or run the step eagerly."
+    )

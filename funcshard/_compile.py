@@ -41,7 +41,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ._compat import require_2_13
+from ._compat import HAS_2_13, needs_2_13
 
 F = TypeVar("F", bound=Callable)
 _NUMBERS = itertools.count()
@@ -61,7 +61,7 @@ def traced(fn: F) -> F:
     scalars, dtypes, ``None``, containers of them).
     """
     if torch.compiler.is_dynamo_compiling():
-        raise RuntimeError(_CREATED_INSIDE.format(name=getattr(fn, "__name__", "a transform")))
+        refuse_while_tracing(_CREATED_INSIDE.format(name=getattr(fn, "__name__", "a transform")))
     name = getattr(fn, "__name__", "fn")
 
     def body(*args, **kwargs):
@@ -84,10 +84,29 @@ def traced(fn: F) -> F:
     def call(*args, **kwargs):
         if not torch.compiler.is_dynamo_compiling():
             return fn(*args, **kwargs)
-        require_2_13(f"funcshard's {name} under torch.compile")
+        if not HAS_2_13:
+            refuse_while_tracing(needs_2_13(f"funcshard's {name} under torch.compile"))
         return _ungraphed(opaque(*_encoded(args), **_encoded(kwargs)))
 
     return functools.wraps(fn)(_own_code(call, name))  # type: ignore[return-value]
+
+
+@torch._dynamo.assume_constant_result
+def refuse_while_tracing(message: str) -> None:
+    """Raise ``RuntimeError(message)`` from code that Dynamo is tracing, as the user's error.
+
+    [Note: an error Dynamo does not swallow]
+    An exception raised by code Dynamo *traces* is simulated: with ``fullgraph=True`` the user
+    gets Dynamo's ``Unsupported: Observed exception`` with our text deep inside it; with the
+    default ``fullgraph=False`` Dynamo breaks the graph and runs the code eagerly, where the
+    check does not fire, and the compiled rest fails later with an unrelated error (inductor:
+    ``InductorError: ... convert all Tensors to FakeTensors``). A function marked
+    ``assume_constant_result`` is *called* at trace time instead, so its exception is real: it
+    reaches the user in both modes, as ``InternalTorchDynamoError`` (a ``RuntimeError``) whose
+    message starts with ``RuntimeError: <our message>`` (torch 2.13; tests/test_compile.py
+    checks it).
+    """
+    raise RuntimeError(message)
 
 
 def _own_code(f: Callable, name: str) -> Callable:

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from . import _parallel
 from ._compile import untraced
 from ._spec import ShardSpec
 
@@ -65,6 +66,14 @@ def agree(fn: str, leaves: Sequence[Leaf], options: tuple = ()) -> None:
     raise ValueError(_message(fn, everyone))
 
 
+def each_rank(what: str, value: str) -> list[str]:
+    """Every rank's ``value``, in rank order (``[value]`` without a process group), through the
+    store: no collective. All ranks must call it at the same point."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    return [v.decode() for v in _exchange(what, value.encode())]
+
+
 def leaf(path: str, spec: ShardSpec, local: torch.Tensor) -> Leaf:
     """The entry of a shard whose gradient flows back through the collectives if it requires
     grad (see [Note: frozen leaves] in ``_autodiff``)."""
@@ -75,7 +84,7 @@ def _describe(leaves, options) -> list[tuple[str, str]]:
     out = []
     for path, spec, dtype, grad in leaves:
         placements = ", ".join(str(p) for p in spec.placements)
-        mesh = spec.mesh.mesh.tolist()
+        mesh = _parallel.describe(spec.mesh)  # the same on every rank, sub-meshes too
         grad = "requires grad" if grad else "no grad"
         out.append((path, f"{dtype} {list(spec.shape)} ({placements}) on mesh {mesh}, {grad}"))
     out.extend((f"<{name}>", repr(value)) for name, value in options)

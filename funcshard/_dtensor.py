@@ -225,6 +225,10 @@ def _keep_frozen(ctx, inputs, outputs) -> None:
 
 
 def _checked_local(x, spec) -> torch.Tensor:
+    if isinstance(x, DTensor) and tuple(x.placements) != spec.placements and _partial(x, spec):
+        # the gradient of a tensor-parallel parameter, reduced as TP does (see [Note: the 2-D
+        # layout] in _parallel): a replicated weight used on sharded activations gets Partial
+        x = x.redistribute(spec.mesh, spec.placements)
     if not isinstance(x, DTensor) or tuple(x.placements) != spec.placements:
         got = tuple(x.placements) if isinstance(x, DTensor) else type(x).__name__
         raise ValueError(
@@ -233,6 +237,13 @@ def _checked_local(x, spec) -> torch.Tensor:
         )
     local = _local(x)
     return local.view_as(local)
+
+
+def _partial(x: DTensor, spec) -> bool:
+    """Whether ``x`` is ``spec``'s DTensor with some placements ``Partial`` instead."""
+    return x.device_mesh == spec.mesh and all(
+        p == q or p.is_partial() for p, q in zip(x.placements, spec.placements, strict=True)
+    )
 
 
 def _check_unsharded(spec, bdim: int) -> None:

@@ -21,6 +21,7 @@ import torch.func
 from torch import nn
 
 from ._compile import compiling
+from ._meta import guard as guard_meta
 from ._torch_checkpoint import binding_regions, reparametrized
 
 _ALIASES: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
@@ -84,7 +85,7 @@ def _fill_ties(alias: dict[str, str], given: Mapping[str, Any]) -> dict[str, Any
     """Values for the names of each tie set that were not given, from the one that was.
 
     Raises:
-        ValueError: different values given for names of one tie set (torch's message).
+        ValueError: different values given for names of one tie set.
     """
     sets: dict[str, set[str]] = {}
     for a, c in alias.items():
@@ -94,8 +95,11 @@ def _fill_ties(alias: dict[str, str], given: Mapping[str, Any]) -> dict[str, Any
         values = {id(given[n]): given[n] for n in names if n in given}
         if len(values) > 1:
             raise ValueError(
-                f"functional_call got multiple values for keys {sorted(names)}, which are tied. "
-                "Consider using tie_weights=False"
+                f"functional_call got different tensors for {sorted(names)}, which are one tied "
+                "tensor of the module. Give it under one name only (the dicts of fs.extract do; "
+                "the other names follow): a dict built from named_parameters() or state_dict() "
+                "after module.to('meta') has an untied copy under each name. To untie them on "
+                "purpose, pass tie_weights=False."
             )
         if values:
             (value,) = values.values()
@@ -127,7 +131,9 @@ def functional_call(
 
     Raises:
         ValueError: different values for tied names; a name given in two dicts.
-        RuntimeError: ``strict=True`` and names are missing or unexpected (torch's message).
+        RuntimeError: ``strict=True`` and names are missing or unexpected (torch's message);
+            the module uses one of its own tensors that is on meta and not given, while the
+            inputs are not on meta (see [Note: a tensor left on meta is never computed with]).
     """
     check_not_wrapped(module, "functional_call")
     named = slots(module, parameter_and_buffer_dicts, tie_weights, strict)
@@ -160,7 +166,9 @@ def slots(module, parameter_and_buffer_dicts, tie_weights: bool, strict: bool) -
 
 def call(module: nn.Module, named: dict[str, Any], args, kwargs, rebind=None) -> Any:
     """``module`` called with the ``named`` slots swapped in; with ``rebind``, each checkpoint
-    region in which a module is called recomputes inside ``rebind()``."""
+    region in which a module is called recomputes inside ``rebind()``. A tensor the module
+    would read from itself on meta is refused where used (see ``_meta``)."""
+    named = guard_meta(module, named, args, kwargs)
     args = () if args is None else args
     if rebind is None:
         return torch.func.functional_call(module, named, args, kwargs, tie_weights=False)

@@ -50,7 +50,10 @@ class Layout:
 
     @staticmethod
     def of(path: str, spec: ShardSpec, local: torch.Tensor) -> Layout:
-        """The layout of a logical local shard; checks its shape against ``spec``."""
+        """The layout of a logical local shard; checks its shape against ``spec``.
+
+        A 2-D layout's (FSDP x TP) is that of what funcshard gathers: ``spec.gathered()``."""
+        spec = spec.gathered()
         lead = len(spec.shape) - local.dim()
         levels = spec.level_shapes()
         if lead < 0 or tuple(local.shape) != levels[-1][lead:]:
@@ -65,6 +68,7 @@ class Layout:
     @staticmethod
     def stripped(path: str, spec: ShardSpec, lead: int) -> Layout:
         """The layout of ``spec`` with its first ``lead`` dims mapped over by ``vmap``."""
+        spec = spec.gathered()
         for p in spec.placements:
             if isinstance(p, Shard) and p.dim < lead:
                 raise ValueError(

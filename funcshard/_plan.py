@@ -7,10 +7,10 @@ This file is the whole schedule. :func:`plan` picks the groups and the forward o
 [Note: the order is written down, not discovered]
 FSDP2 prefetches backward "naively using the reverse post-forward order, which may have
 mistargeted prefetches" (``_fsdp_param_group.py``). Here the forward order is explicit:
-given, recorded once from a dry run on meta tensors, or the depth-first module order. It is a
-list of *runs*: a group may appear several times (a root whose embedding is used first and its
-head last, a parent whose layers run between its children's). A group is freed after its last
-run.
+given, recorded once from a dry run on meta tensors or from one real forward over the shards, or
+the depth-first module order. It is a list of *runs*: a group may appear several times (a root
+whose embedding is used first and its head last, a parent whose layers run between its
+children's). A group is freed after its last run.
 
 [Note: the root group]
 As FSDP2, the root group (named ``""``) is not resharded after forward: it stays unsharded from
@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -179,6 +179,8 @@ def plan(
     backward_order: Sequence[str] | None = None,
     example_args: Any = None,
     example_kwargs: dict[str, Any] | None = None,
+    sharded: Mapping[str, Any] | None = None,
+    buffers: Mapping[str, torch.Tensor] | None = None,
     ignored: Iterable[Any] = (),
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
@@ -186,7 +188,8 @@ def plan(
     """The plan for ``module``: groups from :func:`~funcshard.group`, and their order.
 
     Args:
-        module: the root module (its parameters may already be on meta).
+        module: the root module. Its parameters may already be on meta: built there, or moved
+            there after :func:`~funcshard.extract` (which records the ties the move breaks).
         policy: grouping policy (``None``: one group, the root).
         prefetch: forward all-gathers in flight ahead of the group computing (``0``: none).
         backward_prefetch: the same for the re-gathers in backward.
@@ -199,6 +202,11 @@ def plan(
         backward_order: default ``order`` reversed.
         example_args / example_kwargs: inputs for a dry run on the meta device that records the
             order in which groups are used; no compute, no communication.
+        sharded / buffers: record the order from one real forward on ``example_args`` instead,
+            over these shards (the ``{fqn: DTensor}`` dict of :func:`~funcshard.shard`, ignored
+            parameters as plain tensors) and buffers: for a forward that cannot run on meta
+            (``.item()``, data-dependent code). Collective: call it on every rank. No grad, no
+            effect on the RNG or the buffers.
         ignored: parameters/modules left out of every group (see :func:`~funcshard.group`).
         param_dtype / reduce_dtype: every group's mixed precision (see :class:`Group`), except
             that with a low-precision ``param_dtype`` each BatchNorm module becomes a group of its
@@ -207,9 +215,17 @@ def plan(
     Groups without parameters are dropped.
 
     Raises:
-        ValueError: ``order`` names an unknown group; negative prefetch.
-        RuntimeError: the dry run failed on meta tensors (pass ``order`` instead).
+        ValueError: ``order`` names an unknown group; negative prefetch; ``sharded`` without
+            example inputs, or lacking a parameter of the groups; ranks whose real forwards used
+            the groups in different orders (on every rank).
+        RuntimeError: the dry run failed on meta tensors (pass ``sharded=`` or ``order=``).
     """
+    recorded = example_args is not None or example_kwargs is not None
+    if sharded is not None and (order is not None or not recorded):
+        raise ValueError(
+            "plan: sharded= is for recording the order from a real forward: pass the inputs as "
+            "example_args= / example_kwargs=, and no order=."
+        )
     policy, full_precision = _batchnorm_rule(module, policy, param_dtype)
     groups = []
     for name, params in group(module, policy, ignored).items():
@@ -225,10 +241,12 @@ def plan(
             stacklevel=2,
         )
     if order is None:
-        if example_args is not None or example_kwargs is not None:
+        if recorded:
             from ._record import record_order
 
-            order = record_order(module, groups, example_args, example_kwargs)
+            order = record_order(
+                module, groups, example_args, example_kwargs, sharded=sharded, buffers=buffers
+            )
         else:
             order = _depth_first_order(module, [g.name for g in groups])
     return Plan(tuple(groups), tuple(order), backward_order, prefetch, backward_prefetch)

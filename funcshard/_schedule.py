@@ -74,7 +74,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from . import _compile, _flat, _sink
+from . import _compile, _flat, _parallel, _sink
 from ._collectives import Notify, async_allowed
 from ._consensus import agree, leaf
 from ._deferred import Deferred
@@ -248,8 +248,9 @@ class _Saved:
 class _Group:
     """One group's state in one call: sharded -> in flight -> unsharded -> freed -> ..."""
 
-    def __init__(self, name, leaves, locals_, layouts, opts: _flat.Options) -> None:
+    def __init__(self, name, leaves, locals_, layouts, opts: _flat.Options, specs) -> None:
         self.name, self.leaves, self.locals, self.layouts = name, leaves, locals_, layouts
+        self.specs = specs  # FSDP x TP: the module computes with DTensors of spec.model()
         self.opts = opts
         self.inflight: _flat.Inflight | None = None
         self.armed: list[torch.Tensor] | None = None  # see _flat.arm
@@ -292,6 +293,7 @@ class _Group:
             if self.raw is None:
                 self.raw = _flat.finish(inflight)
                 self.fulls = list(Notify.apply(notify, *self.raw)) if notify else self.raw
+                self.fulls = _parallel.wrap(self.fulls, self.specs)
                 seen = {}
                 for t in self.raw if freeable else ():
                     s = t.untyped_storage()
@@ -381,6 +383,7 @@ class _Run:
                 locals_[at : at + n],
                 static.layouts[at : at + n],
                 static.options[g.name],
+                specs[at : at + n],
             )
             at += n
             self.groups[g.name] = state
@@ -401,7 +404,10 @@ class _Run:
     def metadata(self, fqn: str):
         state, i = self.index[fqn]
         local = state.locals[i]
-        return state.layouts[i].levels[0], state.opts.param_dtype or local.dtype, local.device
+        layout, spec = state.layouts[i], state.specs[i]
+        # a 2-D layout's module sees the DTensor of the global shape
+        shape = layout.levels[0] if spec.dp_dims is None else spec.shape[layout.lead :]
+        return shape, state.opts.param_dtype or local.dtype, local.device
 
     def resolve(self, fqns) -> list[torch.Tensor]:
         """The full tensors for one operation (see ``_deferred.Resolver``)."""
@@ -499,6 +505,7 @@ class _Run:
         notify = self._post_backward(state) if self.tracking and torch.is_grad_enabled() else None
         state.wait(notify, self.tracking)
         if first and self.sink is not None:  # see [Note: gradient accumulation without ...]
+            _parallel.refuse_unsynced([lay.path for lay in state.layouts], state.specs, "schedule")
             self.sink.track(state.leaves, state.raw)
         for p in state.pointers():
             self.owner[p] = state.name
@@ -550,7 +557,9 @@ class _Run:
     def _pack(self, t: torch.Tensor):
         if not self.owner:
             return t
-        key = id(_compile.root(t)) if self.traced else t.untyped_storage().data_ptr()
+        # FSDP x TP: autograd saves the module's DTensors, whose local tensors are ours
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        key = id(_compile.root(local)) if self.traced else local.untyped_storage().data_ptr()
         group = self.owner.get(key)
         return t if group is None else _Saved(group, t, self.groups[group].raw)
 

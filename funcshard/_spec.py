@@ -32,7 +32,7 @@ import torch.utils._pytree as torch_pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from . import _dtensor
+from . import _dtensor, _parallel
 from ._compile import traced, untraced
 from ._tree import PyTree, map_with_path
 
@@ -43,29 +43,51 @@ class ShardSpec:
 
     ``placements[i]`` is ``Shard(d)`` or ``Replicate()`` for mesh dim ``i`` (DTensor semantics,
     uneven sizes split as ``torch.chunk`` does).
+
+    ``dp_dims``: for FSDP x TP's 2-D layout (see [Note: the 2-D layout] in ``_parallel``), the
+    mesh dims funcshard gathers over; the other mesh dims are tensor parallel: they split the
+    tensor first, and the dp dims split the TP-local tensor (DTensor writes such a dp placement
+    as ``_StridedShard``). ``None``: every mesh dim is funcshard's. ``spmd``: the module
+    computes on the whole mesh, ``Replicate()`` on the dp dims (see [Note: full SPMD]), rather
+    than on the TP sub-mesh.
     """
 
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
     shape: tuple[int, ...]
     stride: tuple[int, ...]
+    dp_dims: tuple[int, ...] | None = None
+    spmd: bool = False
 
     @staticmethod
     def of(dtensor: DTensor) -> ShardSpec:
+        mesh = dtensor.device_mesh
         return ShardSpec(
-            dtensor.device_mesh,
+            mesh,
             tuple(dtensor.placements),
             tuple(dtensor.shape),
             tuple(dtensor.stride()),
+            *_parallel.dp_dims(mesh),
         )
 
+    def order(self) -> tuple[int, ...]:
+        """Mesh dims in the order they split the tensor: tensor-parallel dims, then dp dims."""
+        if self.dp_dims is None:
+            return tuple(range(self.mesh.ndim))
+        return (*(i for i in range(self.mesh.ndim) if i not in self.dp_dims), *self.dp_dims)
+
     def level_shapes(self) -> tuple[tuple[int, ...], ...]:
-        """This rank's shape after sharding mesh dims ``0..i-1``, for ``i = 0..mesh.ndim``.
+        """This rank's shape after sharding the first ``i`` mesh dims of :meth:`order` (mesh dims
+        ``0..i-1`` of a 1-D layout), for ``i = 0..mesh.ndim``.
 
         ``[0]`` is the global shape and ``[-1]`` the local shard's shape.
         """
+        order, coord = self.order(), self.mesh.get_coordinate()
         return _level_shapes(
-            self.shape, tuple(self.mesh.shape), self.placements, tuple(self.mesh.get_coordinate())
+            self.shape,
+            tuple(self.mesh.size(i) for i in order),
+            tuple(_parallel.plain(self.placements[i]) for i in order),
+            tuple(coord[i] for i in order),
         )
 
     def local_offset(self) -> tuple[int, ...]:
@@ -73,10 +95,42 @@ class ShardSpec:
         offset = [0] * len(self.shape)
         coord = self.mesh.get_coordinate()
         shapes = self.level_shapes()
-        for i, p in enumerate(self.placements):
+        for level, i in enumerate(self.order()):
+            p = _parallel.plain(self.placements[i])
             if isinstance(p, Shard):
-                offset[p.dim] += chunk(shapes[i][p.dim], self.mesh.size(i), coord[i])[1]
+                offset[p.dim] += chunk(shapes[level][p.dim], self.mesh.size(i), coord[i])[1]
         return tuple(offset)
+
+    def gathered(self) -> ShardSpec:
+        """What funcshard gathers: a 1-D layout spec on the dp sub-mesh whose global shape is
+        the TP-local shape (``self`` for a 1-D layout)."""
+        return self if self.dp_dims is None else _gathered(self)
+
+    def model(self) -> ShardSpec:
+        """The DTensor the module computes with (2-D layouts only): the TP sub-mesh and
+        placements, the global shape (full SPMD: the whole mesh, ``Replicate()`` over dp)."""
+        if self.spmd:
+            whole = tuple(Replicate() if i in self.dp_dims else p
+                          for i, p in enumerate(self.placements))  # fmt: skip
+            return ShardSpec(self.mesh, whole, self.shape, self.stride)
+        kept = self.order()[: self.mesh.ndim - len(self.dp_dims or ())]
+        return ShardSpec(
+            _parallel.submesh(self.mesh, kept),
+            tuple(self.placements[i] for i in kept),
+            self.shape,
+            self.stride,
+        )
+
+
+@functools.lru_cache(maxsize=4096)
+def _gathered(spec: ShardSpec) -> ShardSpec:
+    local = spec.level_shapes()[spec.mesh.ndim - len(spec.dp_dims)]
+    return ShardSpec(
+        _parallel.submesh(spec.mesh, spec.dp_dims),
+        tuple(_parallel.plain(spec.placements[i]) for i in spec.dp_dims),
+        local,
+        tuple(torch.empty(local, device="meta").stride()),
+    )
 
 
 def chunk(size: int, parts: int, index: int) -> tuple[int, int]:
@@ -197,9 +251,10 @@ def from_local(tree: PyTree) -> PyTree:
 
 
 def check_storage_placements(
-    path: str, placements, mesh: DeviceMesh, ndim: int, fn: str = "shard"
+    path: str, placements, mesh: DeviceMesh, ndim: int, fn: str = "shard", dp_dims=None
 ) -> None:
-    """Placements funcshard can store: ``Shard(d)`` with ``0 <= d < ndim`` or ``Replicate()``.
+    """Placements funcshard can store: ``Shard(d)`` with ``0 <= d < ndim`` or ``Replicate()``
+    (and, on the ``dp_dims`` of a 2-D layout, the ``_StridedShard`` DTensor writes there).
 
     Raises:
         ValueError: with the parameter's path, the offending placement and the fix.
@@ -210,7 +265,8 @@ def check_storage_placements(
             f"{mesh.ndim}-D mesh; give one placement per mesh dim, e.g. (Replicate(), Shard(0)) "
             "for HSDP on a 2-D mesh."
         )
-    for p in placements:
+    for i, p in enumerate(placements):
+        p = _parallel.plain(p) if dp_dims is not None and i in dp_dims else p
         if type(p) is Replicate:
             continue
         if type(p) is not Shard:
@@ -282,7 +338,9 @@ def spec_of(path: str, leaf, fn: str) -> ShardSpec:
         spec = ShardSpec.of(dt)
     else:
         _not_a_shard(path, leaf, fn)
-    check_storage_placements(path, spec.placements, spec.mesh, len(spec.shape), fn)
+    check_storage_placements(
+        path, spec.placements, spec.mesh, len(spec.shape), fn, spec.dp_dims
+    )
     check_mesh(path, spec.mesh, fn)
     return spec
 
@@ -296,25 +354,27 @@ def check_mesh(path: str, mesh: DeviceMesh, fn: str) -> None:
     chunk at position ``i``. That is the DTensor chunk order only if the group's ranks, in group
     order, are the mesh's ranks along ``d`` in coordinate order -- true for ``init_device_mesh``,
     false for a permuted ``DeviceMesh("cpu", [1, 0])`` (c10d sorts a new group's ranks). And a
-    sub-mesh (fewer ranks than the world) would average gradients over part of the data only.
+    sub-mesh (fewer ranks than the world) would average gradients over part of the data only,
+    unless it slices a root mesh of the whole world whose other dims are model parallel
+    (``mesh["dp"]`` of a ``(dp, tp)`` mesh: the tp ranks see the same batch).
 
     Raises:
         ValueError: naming ``path``, what is wrong with the mesh, and the fix.
     """
     problem = _mesh_problem(mesh)
+    if mesh.size() != dist.get_world_size():  # not cached: a 2-D layout may come later
+        problem = _parallel.sub_mesh_problem(mesh) or problem
     if problem is not None:
         raise ValueError(
             f"{fn}: {path!r} is sharded on {mesh}, {problem}. funcshard shards over every rank "
             "of the default process group: build the mesh with init_device_mesh(device, (world,))"
-            " (FSDP) or (replicas, world // replicas) (HSDP) and fs.shard the full tensors on it."
+            " (FSDP) or (replicas, world // replicas) (HSDP), or slice the data-parallel dims of "
+            "one mesh of every rank (mesh['dp'] for FSDP x TP), and fs.shard the tensors on it."
         )
 
 
 @functools.lru_cache(maxsize=256)
 def _mesh_problem(mesh: DeviceMesh) -> str | None:
-    world = dist.get_world_size()
-    if mesh.size() != world:
-        return f"which has {mesh.size()} ranks while the process group has {world}"
     coord = mesh.get_coordinate()
     if coord is None:
         return f"which does not include this rank ({dist.get_rank()})"

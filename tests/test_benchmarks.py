@@ -223,3 +223,20 @@ def test_host_part_runs_quick():
     )  # fmt: skip
     rows = [line.split()[0] for line in out.stdout.splitlines()[1:]]
     assert rows == ["plain", "FSDP2", "funcshard"]
+
+
+def _parallel2d(out):
+    from benchmarks import parallel2d
+
+    tiny = ["--width", "16", "--depth", "1", "--heads", "2", "--vocab", "32", "--context", "8",
+            "--rounds", "1", "--out", str(out)]  # fmt: skip
+    return parallel2d.main(tiny)
+
+
+def test_parallel2d_part_on_four_ranks(world4, tmp_path):
+    result = world4.run(_parallel2d, tmp_path)[0]
+    assert (tmp_path / "parallel2d-4ranks.json").is_file()
+    ours, theirs = result["funcshard"], result["fsdp2"]
+    assert ours["collectives"] == theirs["collectives"]  # the same collectives per mesh dim
+    assert ours["sent_mib"] == theirs["sent_mib"]
+    assert 0.5 < ours["sent_mib"]["dp"] / ours["dp_bound_mib"] <= 1.0

@@ -466,3 +466,32 @@ def no_silent_fallback():
 
 def test_no_silent_fallback(world2):
     assert world2.run(no_silent_fallback) == [[], []]
+
+
+def created_inside():
+    """A transform made inside the compiled function: funcshard's message is the first line of
+    the error, with fullgraph=True and with the default (where Dynamo would break the graph and
+    inductor fail on the closure's tensors); raised while tracing, before any collective."""
+    model, sharded, buffers = _setup()
+
+    def step(p, x, y):
+        loss = lambda q: F.mse_loss(fs.functional_call(model, (fs.unshard(q), buffers), (x,)), y)
+        return fs.value_and_grad(loss)(p)
+
+    firsts = []
+    for fullgraph, backend in ((True, "aot_eager"), (False, "inductor")):
+        try:
+            torch.compile(step, backend=backend, fullgraph=fullgraph)(sharded, *_batch(0))
+            firsts.append("no error")
+        except RuntimeError as e:
+            firsts.append(str(e).splitlines()[0])
+    return firsts
+
+
+def test_a_transform_created_inside_is_refused_with_our_message_first(world2):
+    for firsts in world2.run(created_inside):
+        for first in firsts:
+            assert first.startswith(
+                "RuntimeError: funcshard: <lambda> was created inside a function that "
+                "torch.compile is compiling."
+            ), firsts

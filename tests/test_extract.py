@@ -116,6 +116,9 @@ def _assert_same(got, want):
     assert got[0] == want[0], (got, want)
     if got[0] == "ok":
         torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+    elif "which are tied" in want[2]:  # torch's text suggests tie_weights=False; ours the cause
+        keys = want[2][want[2].index("[") : want[2].index("]") + 1]
+        assert got[1] == want[1] and f"different tensors for {keys}" in got[2], (got, want)
     else:
         assert got[1:] == want[1:]
 
@@ -189,7 +192,7 @@ def test_args_as_in_torch():
     torch.testing.assert_close(got, model(x), rtol=0, atol=0)
 
 
-def test_tied_names_with_two_values_raise_torchs_error():
+def test_tied_names_with_two_values_raise():
     model = tiny_lm()
     params, buffers = fs.extract(model)
     w = params["embed.weight"]

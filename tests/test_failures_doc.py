@@ -44,12 +44,14 @@ AREAS = {
     "_dtensor.py": TORCH_FUNC,
     "_spec.py::check_materialized": INIT,
     "transforms/_shard.py": SHARDING,
+    "_parallel.py": SHARDING,
     "_consensus.py": TREES,
     "_tree.py": TREES,
     "_autodiff.py": GRADIENTS,
     "transforms/_unshard.py": GRADIENTS,
     "transforms/_reduce.py": GRADIENTS,
     "_extract.py": MODULES,
+    "_meta.py": MODULES,
     "_torch_checkpoint.py": MODULES,
     "_grouping.py": SCHEDULE,
     "_plan.py": SCHEDULE,
@@ -61,6 +63,7 @@ AREAS = {
     "_collectives.py": TORCH_FUNC,
     "_flat.py": TORCH_FUNC,
     "_materialize.py": INIT,
+    "_materialize_steps.py": INIT,
     "optim/": OPTIM,
     "checkpoint/": CHECKPOINT,
     "testing/": TESTING,
@@ -69,7 +72,10 @@ AREAS = {
 # Sites whose message is not written at the raise: "file::qualified function" -> (type, phrases).
 INDIRECT = {
     "_dtensor.py::locals_of": ("NotImplementedError", ["transforms over DTensor trees"]),
-    "_compile.py::traced": ("RuntimeError", ["was created inside a function"]),  # .format
+    "_compile.py::refuse_while_tracing": (
+        "RuntimeError",
+        ["was created inside a function", "under torch.compile needs torch >= 2.13"],
+    ),
     "_consensus.py::agree": ("ValueError", ["ranks disagree"]),  # built by _message
     "testing/_pool.py::Pool._results": ("RankError", ["failed on rank", "did not finish"]),
     "checkpoint/_comm.py::all_ok": ("RuntimeError", ["Saving wait"]),  # "rank r: <error>"

@@ -111,6 +111,27 @@ def test_resume_is_bitwise_exact(world2, tmp_path):
     assert resumed[0].sample == straight[0].sample
 
 
+def test_muon_and_ema_resume_bitwise_exact(world2, tmp_path):
+    """--optimizer muon --ema: the Muon + AdamW state and the average are checkpointed, so a
+    resumed run repeats the uninterrupted one bit for bit (parameters, losses, both held-out
+    losses); the average is evaluated beside the weights and differs from them."""
+    args = [*TINY, "--optimizer", "muon", "--ema", "0.5"]
+    straight = world2.run(train_lm.main, args)
+    ckpt = ["--ckpt-dir", str(tmp_path)]
+    world2.run(train_lm.main, [*args, *ckpt, "--save-every", "2", "--stop-at", "3"])
+    resumed = world2.run(train_lm.main, [*args, *ckpt, "--resume"])
+    for rank in range(2):
+        assert resumed[rank].losses == straight[rank].losses[2:]
+        assert resumed[rank].heldout_ema == straight[rank].heldout_ema[1:]
+        for k, p in straight[rank].params.items():
+            assert torch.equal(resumed[rank].params[k], p), (rank, k)
+    first = straight[0].heldout[0][1]
+    weights, average = straight[0].heldout[-1][1], straight[0].heldout_ema[-1][1]
+    assert average != weights and max(weights, average) < first
+    adamw = world2.run(train_lm.main, TINY)[0]
+    assert adamw.losses[0] == straight[0].losses[0] and adamw.losses[1:] != straight[0].losses[1:]
+
+
 @pytest.mark.parametrize("world", [1, 4])
 def test_resume_on_another_number_of_ranks(worlds, tmp_path, world):
     """Saved on 2 ranks, resumed on 1 or 4: the same values up to fp32 rounding (the additions

@@ -16,8 +16,13 @@ from ._base import (
     step,
 )
 from ._clip import ClipState, clip_by_global_norm, global_norm
+from ._ema import Ema, EmaState, ema
 from ._kernels import AdamState, SgdState, adam, adamw, add_decayed_weights, sgd
+from ._layout import shard_state, state_placements
 from ._masked import MaskedState, at_least_2d, masked
+from ._muon import MuonState, muon
+from ._offload import OffloadState, offload
+from ._partition import PartitionState, hidden_matrices, muon_adamw, partition
 from ._schedules import (
     constant_schedule,
     cosine_decay_schedule,
@@ -28,9 +33,14 @@ from ._schedules import (
 __all__ = [
     "AdamState",
     "ClipState",
+    "Ema",
+    "EmaState",
     "EmptyState",
     "GradientTransformation",
     "MaskedState",
+    "MuonState",
+    "OffloadState",
+    "PartitionState",
     "SgdState",
     "adam",
     "adamw",
@@ -41,11 +51,19 @@ __all__ = [
     "clip_by_global_norm",
     "constant_schedule",
     "cosine_decay_schedule",
+    "ema",
     "global_norm",
+    "hidden_matrices",
     "linear_schedule",
     "masked",
+    "muon",
+    "muon_adamw",
+    "offload",
+    "partition",
     "set_grads",
     "sgd",
+    "shard_state",
+    "state_placements",
     "step",
     "warmup_cosine_decay_schedule",
 ]

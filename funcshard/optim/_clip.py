@@ -4,9 +4,10 @@
 The global norm counts every element of every parameter once. A ``Shard`` placement splits a
 tensor, but a ``Replicate`` placement (0-d parameters; the replica dim of an HSDP mesh) keeps a
 full copy of the local tensor on each rank of that mesh dim, so summing the local squares over
-all ranks would count it once per replica. Each leaf's local sum of squares is therefore weighted
-by ``1 / (number of replicas)``; then one all-reduce over all ranks sums every leaf at once. The
-result is the same on every rank.
+all ranks would count it once per replica; so does a parameter on the data-parallel sub-mesh of
+FSDP x TP, on each rank of the other (tensor-parallel) dims. Each leaf's local sum of squares
+is therefore weighted by ``1 / (number of replicas)``; then one all-reduce over all ranks sums
+every leaf at once. The result is the same on every rank.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
+from .._parallel import sub_mesh_problem
 from .._tree import PyTree, flatten, unflatten
 from ._base import GradientTransformation, local, wrap
 
@@ -68,17 +71,17 @@ def global_norm(tree: PyTree) -> torch.Tensor:
 
 
 def _replicas(path: str, x: DTensor) -> int:
-    mesh = x.device_mesh
-    if mesh.size() != dist.get_world_size():
+    mesh, world = x.device_mesh, dist.get_world_size()
+    if mesh.size() != world and sub_mesh_problem(mesh):
         raise ValueError(
             f"global_norm: {path!r} lives on a mesh of {mesh.size()} ranks, but the norm is "
-            f"summed over all {dist.get_world_size()} ranks; shard over a mesh of every rank."
+            f"summed over all {world} ranks; shard over a mesh of every rank."
         )
-    n = 1
+    n = world // mesh.size()  # the data-parallel mesh of FSDP x TP: the same on every tp rank
     for i, p in enumerate(x.placements):
         if isinstance(p, Replicate):
             n *= mesh.size(i)
-        elif not isinstance(p, Shard):
+        elif not isinstance(p, Shard | _StridedShard):
             raise ValueError(
                 f"global_norm: {path!r} has placement {p}; reduce partial gradients first "
                 "(fs.reduce) so that each element has a value."

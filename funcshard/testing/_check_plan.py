@@ -1,11 +1,14 @@
-"""``check_plan``: does a module use its groups as the plan says? A dry run on meta tensors."""
+"""``check_plan``: does a module use its groups as the plan says? A dry run on meta tensors, or
+one real forward over the shards."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from .._plan import Plan
@@ -71,20 +74,32 @@ class PlanCheck:
 
 
 def check_plan(
-    module: nn.Module, plan: Plan, *example_args: Any, **example_kwargs: Any
+    module: nn.Module,
+    plan: Plan,
+    *example_args: Any,
+    sharded: Mapping[str, Any] | None = None,
+    buffers: Mapping[str, torch.Tensor] | None = None,
+    **example_kwargs: Any,
 ) -> PlanCheck:
-    """Run ``module`` once on meta copies of the example inputs and compare the order in which it
-    uses its parameter groups with ``plan.order``.
+    """Run ``module`` once on the example inputs and compare the order in which it uses its
+    parameter groups with ``plan.order``.
 
-    No data and no collectives: parameters are shape-only placeholders, inputs are moved to the
-    meta device, no process group is needed. ``module`` may already be on meta. Out-of-order
-    runs are not wrong with :func:`~funcshard.schedule` (it gathers on demand, with a warning),
-    only slower; groups never used are gathered and reduce-scattered for nothing.
+    Without ``sharded``: a dry run on meta copies of the inputs, with shape-only parameters; no
+    data, no collectives, no process group needed. ``module`` may already be on meta (built
+    there, or moved there after :func:`~funcshard.extract`, which records the ties the move
+    breaks). With ``sharded`` (and ``buffers``): one real forward without grad over the shards,
+    for a forward that cannot run on meta, as ``fs.plan(..., sharded=...)`` records it;
+    collective: call it on every rank.
+
+    Out-of-order runs are not wrong with :func:`~funcshard.schedule` (it gathers on demand,
+    with a warning), only slower; groups never used are gathered and reduce-scattered for
+    nothing.
 
     Raises:
-        ValueError: the plan names parameters that ``module`` does not have.
+        ValueError: the plan names parameters that ``module`` does not have; with ``sharded``:
+            ranks whose forwards used the groups in different orders (on every rank).
         RuntimeError: the forward cannot run on meta tensors (data-dependent control flow,
-            ``.item()``, ...).
+            ``.item()``, ...): pass ``sharded=``.
     """
     known = {n for n, _ in module.named_parameters(remove_duplicate=False)}
     unknown = sorted(p for g in plan.groups for p in g.params if p not in known)
@@ -94,14 +109,11 @@ def check_plan(
             f"have: {unknown[:6]}{' ...' if len(unknown) > 6 else ''}. Pass the module the plan "
             "was made for."
         )
-    try:
-        used = tuple(record_order(module, plan.groups, example_args, example_kwargs))
-    except RuntimeError as e:
-        raise RuntimeError(
-            f"check_plan: the dry run of {type(module).__name__} on meta tensors failed "
-            f"({e.__cause__!r}); check_plan needs a forward that runs on meta tensors."
-        ) from e.__cause__
-    return _compare(plan, used)
+    used = record_order(
+        module, plan.groups, example_args, example_kwargs, sharded=sharded, buffers=buffers,
+        fn="check_plan",
+    )  # fmt: skip
+    return _compare(plan, tuple(used))
 
 
 def _compare(plan: Plan, used: tuple[str, ...]) -> PlanCheck:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _consensus, _flat, _sink
+from .. import _consensus, _flat, _parallel, _sink
 from .._compile import traced
 from .._spec import as_locals, check_materialized
 from .._tree import PyTree, flatten, unflatten
@@ -39,7 +39,9 @@ def unshard(
             each rank averages over an equal local batch); ``"sum"`` is the exact adjoint.
 
     Returns:
-        The same structure with full tensors (global shape, ``param_dtype`` or the shard's dtype).
+        The same structure with full tensors (global shape, ``param_dtype`` or the shard's dtype);
+        for FSDP x TP's 2-D layout, DTensors on the tensor-parallel mesh with the TP placements
+        (gathered over the data-parallel dims only; see docs/parallelism.md).
 
     Raises:
         TypeError: a leaf is not a shard (see :func:`~funcshard.to_local` for ``torch.func``).
@@ -51,11 +53,13 @@ def unshard(
     layouts = [_flat.Layout.of(p, s, t) for p, s, t in zip(paths, specs, locals_, strict=True)]
     check_materialized(paths, locals_, "unshard")
     opts = _flat.Options("unshard", param_dtype, reduce_dtype, mean=reduce_mean(grad_reduce))
-    specs = zip(paths, layouts, locals_, strict=True)
-    _consensus.agree("unshard", [_consensus.leaf(p, a.spec, t) for p, a, t in specs], opts.key())
+    entries = zip(paths, specs, locals_, strict=True)
+    _consensus.agree("unshard", [_consensus.leaf(p, s, t) for p, s, t in entries], opts.key())
     fulls = _flat.gather(locals_, layouts, opts) if locals_ else []
     if (sink := _sink.current()) is not None:  # see [Note: gradient accumulation without ...]
+        _parallel.refuse_unsynced(paths, specs, "unshard")
         sink.track(leaves, fulls)
+    fulls = _parallel.wrap(fulls, specs)  # FSDP x TP: DTensors on the TP mesh
     return unflatten(spec, fulls)
 
 
