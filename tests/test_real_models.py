@@ -403,8 +403,8 @@ def on_ranks(pool, check, *args) -> None:
 
     [Note: failures returned, not raised]
     A rank that raises makes the pool stop its ranks and start new ones for the next test,
-    which re-imports transformers (10-15 s on a loaded 2-core machine, for each of the known
-    failures below). The ranks return their tracebacks instead and stay up. Every check here
+    which re-imports transformers (10-15 s on a loaded 2-core machine, for every failing test
+    after it). The ranks return their tracebacks instead and stay up. Every check here
     fails on both ranks at the same point (a deterministic error, or a collective
     ``assert_close``), so no rank is left inside a collective.
     """
@@ -419,14 +419,6 @@ def _returning_errors(check, *args) -> str | None:
     except Exception:
         return traceback.format_exc()
     return None
-
-
-# Flip when the fix is merged: an xfail(strict) fails the suite once the test passes.
-RECORDS_REAL_FORWARD = pytest.mark.xfail(
-    strict=True,
-    reason="issue 16 §3: plan(sharded=, buffers=) and check_plan(sharded=, buffers=) record from "
-    "one real forward (branch tied-plan)",
-)
 
 
 @pytest.mark.parametrize("path", ["schedule", "unshard", "reduce"])
@@ -462,7 +454,7 @@ def test_adamw_steps(world2, name, path, on_meta):
     ("name", "real"),
     [
         ("resnet", False),
-        *[pytest.param(name, True, marks=RECORDS_REAL_FORWARD) for name in MODELS],
+        *[(name, True) for name in MODELS],
     ],
 )
 def test_recorded_plan(world2, name, real):
