@@ -102,17 +102,36 @@ class Deferred(torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
-        by_resolver: dict[int, tuple[Resolver, list[int]]] = {}
-        for i, x in enumerate(leaves):
-            if isinstance(x, Deferred):
-                by_resolver.setdefault(id(x._resolver), (x._resolver, []))[1].append(i)
-        try:  # see [Note: one operation's parameters are resident together]
-            for resolver, where in by_resolver.values():
-                real = resolver.resolve([leaves[i]._fqn for i in where])
-                for i, t in zip(where, real, strict=True):
-                    leaves[i] = t
-            args, kwargs = optree.tree_unflatten(spec, leaves)
+        real, resolvers = resolve_all(leaves)
+        try:
+            args, kwargs = optree.tree_unflatten(spec, real)
             return func(*args, **kwargs)  # no Deferred left: no recursion
         finally:
-            for resolver, _ in by_resolver.values():
-                resolver.release()
+            release_all(resolvers)
+
+
+def resolve_all(leaves: Sequence) -> tuple[list, list[Resolver]]:
+    """``leaves`` with each :class:`Deferred` replaced by its real tensor, and the resolvers
+    to :func:`release_all` once the operation on them ran (see [Note: one operation's
+    parameters are resident together])."""
+    leaves = list(leaves)
+    by_resolver: dict[int, tuple[Resolver, list[int]]] = {}
+    for i, x in enumerate(leaves):
+        if isinstance(x, Deferred):
+            by_resolver.setdefault(id(x._resolver), (x._resolver, []))[1].append(i)
+    done = []
+    try:
+        for resolver, where in by_resolver.values():
+            done.append(resolver)
+            real = resolver.resolve([leaves[i]._fqn for i in where])
+            for i, t in zip(where, real, strict=True):
+                leaves[i] = t
+    except BaseException:
+        release_all(done)
+        raise
+    return leaves, done
+
+
+def release_all(resolvers: Sequence[Resolver]) -> None:
+    for resolver in resolvers:
+        resolver.release()

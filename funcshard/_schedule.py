@@ -74,7 +74,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from . import _compile, _flat, _sink
+from . import _compile, _flat, _recompute, _sink
 from ._collectives import Notify, async_allowed
 from ._consensus import agree, leaf
 from ._deferred import Deferred
@@ -113,20 +113,21 @@ def schedule(
 
     Raises:
         ValueError: a planned parameter is missing from ``sharded``, or a sharded one is in no
-            group.
+            group; a recompute group is not a module holding only its own group's parameters.
         TypeError: ``sharded`` is not a mapping, or a planned entry is not a shard.
     """
     mean = reduce_mean(grad_reduce)
     group_of = plan.group_of()
     tied = aliases(module)
     unplanned = [n for n, _ in module.named_parameters() if n not in group_of and n not in tied]
+    recomputed = _recompute.modules(module, plan)  # see [Note: recompute as part of the plan]
 
     @_compile.traced  # see [Note: funcshard under torch.compile]
     def apply(sharded: Mapping[str, Any], *args: Any, buffers=None, **kwargs: Any) -> Any:
         params = _check_tree(sharded, group_of, unplanned)
         run = _Run(plan, sharded, _flat.Options("", param_dtype, reduce_dtype, mean))
         deferred = {fqn: Deferred(fqn, *run.metadata(fqn), run) for fqn in group_of}
-        with run.saved_tensor_hooks():
+        with run.saved_tensor_hooks(), _recompute.recomputing(recomputed):
             out = functional_call(module, ({**params, **deferred}, buffers or {}), args, kwargs)
         run.end_forward()
         return out
