@@ -56,6 +56,7 @@ AREAS = {
     "_bucketing.py": SCHEDULE,
     "_record.py": SCHEDULE,
     "_schedule.py": SCHEDULE,
+    "_recompute.py": SCHEDULE,
     "_collectives.py": TORCH_FUNC,
     "_flat.py": TORCH_FUNC,
     "_materialize.py": INIT,
@@ -69,6 +70,8 @@ INDIRECT = {
     "_dtensor.py::to_local": ("NotImplementedError", ["transforms over DTensor trees"]),
     "_compile.py::traced": ("RuntimeError", ["was created inside a function"]),  # .format
     "_consensus.py::agree": ("ValueError", ["ranks disagree"]),  # built by _message
+    "_plan.py::_recompute_names": ("ValueError", ["cannot recompute its forward"]),
+    "_plan.py::_validate": ("ValueError", ["cannot recompute its forward"]),  # _ROOT_RECOMPUTES
     "testing/_pool.py::Pool._results": ("RankError", ["failed on rank", "did not finish"]),
     "checkpoint/_comm.py::all_ok": ("RuntimeError", ["Saving wait"]),  # "rank r: <error>"
     "testing/_reference.py::assert_close": ("AssertionError", ["does not match the structure"]),
