@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import harness, scale
+from . import harness, recompute, scale
 from .timeline import LANES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -517,6 +517,7 @@ def summary_section(results: dict[str, Any]) -> str:
                     _mark("ratio" not in theirs or ours["ratio"] <= theirs["ratio"]),
                 ]
             )
+    rows += recompute.summary_rows(results)
     if not rows:
         return ""
     return _table(["", "target", "measured (funcshard / FSDP2)", "met"], rows) + "\n"
@@ -536,6 +537,7 @@ def sections(results: dict[str, Any], folder: Path, images: str) -> dict[str, st
         "scale": scale_section(results, folder, images),
         "timeline": timeline_section(results, folder, images),
         "compile": compile_section(results),
+        "recompute": recompute.section(results),
     }
 
 

@@ -51,7 +51,12 @@ class Resolver(Protocol):
     scheduler advance to ``B`` -- and free ``A`` -- before the operation runs. So all of an
     operation's parameters are resolved in one call, and ``release`` follows the operation:
     frees due in between wait for it.
+
+    ``sealed``: the name of a recompute group whose forward is running; while set, resolving
+    refuses (a parameter used there that is not the group's own would get no gradient).
     """
+
+    sealed: str | None
 
     def resolve(self, fqns: Sequence[str]) -> list[torch.Tensor]: ...
 
@@ -63,6 +68,14 @@ class _Detached:
 
     def __init__(self, inner: Resolver) -> None:
         self.inner = inner
+
+    @property
+    def sealed(self) -> str | None:
+        return self.inner.sealed
+
+    @sealed.setter
+    def sealed(self, value: str | None) -> None:
+        self.inner.sealed = value
 
     def resolve(self, fqns: Sequence[str]) -> list[torch.Tensor]:
         return [t.detach() for t in self.inner.resolve(fqns)]

@@ -82,10 +82,10 @@ def recomputing(subs: Mapping[str, nn.Module]) -> Iterator[None]:
     (its ``forward`` attribute replaced on the instance, then restored)."""
     saved = []
     try:
-        for sub in subs.values():
+        for name, sub in subs.items():
             own = sub.__dict__.get("forward")  # an instance attribute of its own, if any
             saved.append((sub, own))
-            sub.forward = _recomputed(sub, own or sub.forward)
+            sub.forward = _recomputed(sub, own or sub.forward, name)
         yield
     finally:
         for sub, own in reversed(saved):
@@ -95,15 +95,27 @@ def recomputing(subs: Mapping[str, nn.Module]) -> Iterator[None]:
                 sub.forward = own
 
 
-def _recomputed(sub: nn.Module, forward: Callable) -> Callable:
-    """``sub``'s forward through :class:`_Recompute`."""
+def refuse(group: str, fqns) -> None:
+    """Raises: a recompute group's forward used parameters it does not own (see ``_Run``)."""
+    raise ValueError(
+        f"schedule: the module of group {group!r}, which recomputes in backward, used the "
+        f"parameters {list(fqns)} of another group in its forward; their gradients would be "
+        "lost. A recompute group's module must compute with its own parameters and its inputs: "
+        "pass the tensor as an argument, or do not recompute this group."
+    )
+
+
+def _recomputed(sub: nn.Module, forward: Callable, group: str) -> Callable:
+    """``sub``'s forward through :class:`_Recompute` (plain while gradients are off)."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():  # nothing to keep or recompute
+            return forward(*args, **kwargs)
         leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
         at = tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
         slots: dict[int, tuple[torch.Tensor, list[str]]] = {}  # one input per distinct tensor
-        for name, t in _one_per_slot(sub, dict(_named_state(sub))).items():
-            slots.setdefault(id(t), (t, []))[1].append(name)
+        for slot, t in _one_per_slot(sub, dict(_named_state(sub))).items():
+            slots.setdefault(id(t), (t, []))[1].append(slot)
         buffers = {n for n, _ in sub.named_buffers(remove_duplicate=False)}
         inputs = [leaves[i] for i in at] + [t for t, _ in slots.values()]
         for i in at:
@@ -118,8 +130,12 @@ def _recomputed(sub: nn.Module, forward: Callable) -> Callable:
                 tuple(any(n in buffers for n in names) for _, names in slots.values()),
                 real,
             )
+            for resolver in resolvers:  # a parameter of another group is refused meanwhile
+                resolver.sealed = group
             out = _Recompute.apply(call, *real)
         finally:
+            for resolver in resolvers:
+                resolver.sealed = None
             release_all(resolvers)
         return call.outputs(out)
 

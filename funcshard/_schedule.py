@@ -390,6 +390,7 @@ class _Run:
         self.range = None
         self.holding: set[str] = set()  # groups the operation being resolved uses
         self.held_frees: list[_Group] = []
+        self.sealed: str | None = None  # a recompute group's forward is running (_recompute)
 
     # ---- what the module sees ------------------------------------------------------------
     def metadata(self, fqn: str):
@@ -399,6 +400,8 @@ class _Run:
 
     def resolve(self, fqns) -> list[torch.Tensor]:
         """The full tensors for one operation (see ``_deferred.Resolver``)."""
+        if self.sealed is not None:
+            _recompute.refuse(self.sealed, fqns)
         places = [self.index[fqn] for fqn in fqns]
         self.holding = {state.name for state, _ in places}
         for state in dict.fromkeys(state for state, _ in places):

@@ -361,3 +361,35 @@ def compiled():
 
 def test_recompute_under_torch_compile(world2):
     assert max(world2.run(compiled)) < 1e-6
+
+
+class Reaching(nn.Module):
+    """A block that computes with its neighbour's weight, reached by reference."""
+
+    def __init__(self, other: list[nn.Module] | None = None) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.other = other
+
+    def forward(self, x):
+        x = self.fc(x)
+        return x if self.other is None else F.linear(x, self.other[0].fc.weight)
+
+
+def foreign_parameter():
+    torch.manual_seed(0)
+    first = Reaching()
+    model = nn.Sequential(first, Reaching([first]))
+    model, sharded, _, plan = _setup(model=model, policy=Reaching, recompute=["1"])
+    apply = fs.schedule(model, plan)
+    try:
+        fs.value_and_grad(lambda s: apply(s, torch.ones(2, 4)).sum())(sharded)
+    except ValueError as e:
+        return str(e)
+
+
+def test_a_parameter_of_another_group_is_refused(world2):
+    for message in world2.run(foreign_parameter):
+        assert "group '1', which recomputes in backward, used the parameters ['0.fc.weight']" in (
+            message
+        )
