@@ -76,7 +76,7 @@ def section(results: dict[str, Any]) -> str:
     r = next((v for k, v in sorted(results.items()) if k.startswith("recompute-")), None)
     if r is None:
         return ""
-    from .report import _measured, _table
+    from .report import _measured, _table, time_and_peak
 
     res, out = r["result"], []
     base = res["baseline"]
@@ -84,11 +84,7 @@ def section(results: dict[str, Any]) -> str:
         rows = [
             [
                 label,
-                f"{v['ms']:.0f}",
-                f"**{v['ratio']:.2f}**",
-                f"{v['peak_all'] / MiB:.1f}",
-                f"**{v['peak_ratio']:.2f}**",
-                f"{v['peak_own'] / MiB:.1f} ({v['peak_own_ratio']:.2f}x)",
+                *time_and_peak(v),
                 f"{v['activations'] / MiB:.1f}",
                 "-".join(f"{x / MiB:.0f}" for x in v["peak_all_range"]),
                 f"{v['loss_gap']:.1e}",

@@ -386,6 +386,17 @@ def plot_scale(res: dict[str, Any], folder: Path) -> None:
     plt.close(fig)
 
 
+def time_and_peak(v: dict[str, Any]) -> list[str]:
+    """A row's step time, its ratio, the all-threads peak, its ratio and the own-thread peak."""
+    return [
+        f"{v['ms']:.0f}",
+        f"**{v['ratio']:.2f}**",
+        f"{v['peak_all'] / MiB:.1f}",
+        f"**{v['peak_ratio']:.2f}**",
+        f"{v['peak_own'] / MiB:.1f} ({v['peak_own_ratio']:.2f}x)",
+    ]
+
+
 def compile_section(results: dict[str, Any]) -> str:
     r = next((v for k, v in sorted(results.items()) if k.startswith("compile-")), None)
     if r is None:
@@ -399,11 +410,7 @@ def compile_section(results: dict[str, Any]) -> str:
         rows.append(
             [
                 label,
-                f"{v['ms']:.0f}",
-                f"**{v['ratio']:.2f}**",
-                f"{v['peak_all'] / MiB:.1f}",
-                f"**{v['peak_ratio']:.2f}**",
-                f"{v['peak_own'] / MiB:.1f} ({v['peak_own_ratio']:.2f}x)",
+                *time_and_peak(v),
                 f"{v['first_call_s']:.1f}" if counted else f"({v['first_call_s']:.1f})",
                 v["graphs"] if counted else "-",
                 v["recompiles"] if counted else "-",
