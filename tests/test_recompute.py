@@ -148,6 +148,7 @@ def parity(recompute, reshard, layers):
     batch = tokens(rank)
     ours = plan.with_recompute(recompute)
     loss, grads, comm = _step(model, ours, sharded, dict(buffers), batch)
+    assert all("forward" not in m.__dict__ for m in model.modules())  # restored after the call
     plain_loss, plain, plain_comm = _step(model, plan, sharded, dict(buffers), batch)
     ref_loss, ref, _ = reference_step(make(layers=layers), [tokens(r) for r in range(world)])
     mean = loss.clone()
@@ -385,11 +386,13 @@ def foreign_parameter():
     try:
         fs.value_and_grad(lambda s: apply(s, torch.ones(2, 4)).sum())(sharded)
     except ValueError as e:
-        return str(e)
+        restored = all("forward" not in m.__dict__ for m in model.modules())
+        return str(e), restored
 
 
 def test_a_parameter_of_another_group_is_refused(world2):
-    for message in world2.run(foreign_parameter):
+    for message, restored in world2.run(foreign_parameter):
+        assert restored  # the module's forward is its own again after the error
         assert "group '1', which recomputes in backward, used the parameters ['0.fc.weight']" in (
             message
         )
