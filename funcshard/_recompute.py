@@ -35,7 +35,7 @@ from typing import Any
 import optree
 import torch
 from torch import nn
-from torch.nn.utils.stateless import _reparametrize_module
+from torch.nn.utils.stateless import _reparametrize_module  # private: see test_recompute.py
 from torch.utils.checkpoint import DefaultDeviceType, get_device_states, set_device_states
 
 from ._deferred import release_all, resolve_all

@@ -110,6 +110,21 @@ def test_merge_groups_keeps_recompute_groups_apart():
     ]
 
 
+def test_private_torch_api_the_recompute_binds_with():
+    """``torch.nn.utils.stateless._reparametrize_module`` (torch.func.functional_call's own
+    swap, private): ``_recompute`` binds a module's parameters and buffers with it, in forward
+    and in backward. Fails here first if a torch upgrade changes it."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    lin = nn.Linear(2, 2)
+    weight, bias = lin.weight, lin.bias
+    w, b = torch.zeros(2, 2), torch.ones(2)
+    with _reparametrize_module(lin, {"weight": w, "bias": b}):
+        assert lin.weight is w and lin.bias is b
+        assert torch.equal(lin(torch.ones(1, 2)), torch.ones(1, 2))
+    assert lin.weight is weight and lin.bias is bias
+
+
 # --- the scheduler ----------------------------------------------------------------------------
 
 
