@@ -52,8 +52,8 @@ class Resolver(Protocol):
     operation's parameters are resolved in one call, and ``release`` follows the operation:
     frees due in between wait for it.
 
-    ``sealed``: the name of a recompute group whose forward is running; while set, resolving
-    refuses (a parameter used there that is not the group's own would get no gradient).
+    ``sealed``: the name of a recompute group whose forward is running; while set, resolving a
+    parameter of another group refuses (it would get no gradient under ``torch.func``).
     """
 
     sealed: str | None

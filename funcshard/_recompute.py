@@ -13,6 +13,15 @@ forward again on the same tensors and takes the vector-Jacobian product. Nothing
 it is ``torch.autograd.grad``, with the module's parameters bound during the whole backward (a
 ``torch.utils.checkpoint`` inside the module then recomputes with them too).
 
+[Note: plain autograd stops early]
+Under plain autograd (no ``torch.func`` transform, not compiling) a recompute group whose module
+holds no BatchNorm runs through ``torch.utils.checkpoint(use_reentrant=False)`` instead: its
+recompute stops once the last tensor backward needs is rebuilt (skipping, e.g., a block's last
+matmul), and a funcshard call binds each checkpoint region to its parameters (see [Note:
+activation checkpointing inside a funcshard call]), so the recompute re-gathers the group through
+the plan's backward steps just the same. BatchNorm keeps the Function (its running statistics are
+updated once, where ``torch.utils.checkpoint`` would update them again).
+
 With reshard after forward, the group's full tensors are among the Function's saved tensors, so
 the scheduler's saved-tensor hooks free them after forward and re-gather them when the backward
 unpacks them: the recompute uses the backward's one re-gather, as FSDP2 with activation
@@ -35,11 +44,17 @@ from typing import Any
 import optree
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils.stateless import _reparametrize_module  # private: see test_recompute.py
-from torch.utils.checkpoint import DefaultDeviceType, get_device_states, set_device_states
+from torch.utils.checkpoint import (
+    DefaultDeviceType,
+    checkpoint,
+    get_device_states,
+    set_device_states,
+)
 
-from ._deferred import release_all, resolve_all
-from ._extract import _one_per_slot, aliases
+from ._deferred import Deferred, release_all, resolve_all
+from ._extract import _one_per_slot, aliases, eager_grad
 from ._plan import Plan
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
@@ -108,9 +123,20 @@ def refuse(group: str, fqns) -> None:
 def _recomputed(sub: nn.Module, forward: Callable, group: str) -> Callable:
     """``sub``'s forward through :class:`_Recompute` (plain while gradients are off)."""
 
+    checkpointable = not any(isinstance(m, _BatchNorm) for m in sub.modules())
+
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # nothing to keep or recompute
             return forward(*args, **kwargs)
+        if checkpointable and eager_grad():  # see [Note: plain autograd stops early]
+            resolvers = {id(r): r for r in _resolvers(sub)}.values()
+            for resolver in resolvers:  # a parameter of another group is refused meanwhile
+                resolver.sealed = group
+            try:
+                return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+            finally:
+                for resolver in resolvers:
+                    resolver.sealed = None
         leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
         at = tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
         slots: dict[int, tuple[torch.Tensor, list[str]]] = {}  # one input per distinct tensor
@@ -140,6 +166,11 @@ def _recomputed(sub: nn.Module, forward: Callable, group: str) -> Callable:
         return call.outputs(out)
 
     return run
+
+
+def _resolvers(sub: nn.Module) -> list:
+    """Who answers for ``sub``'s deferred parameters (the scheduled call's run)."""
+    return [t._resolver for _, t in _named_state(sub) if isinstance(t, Deferred)]
 
 
 def _named_state(sub: nn.Module):

@@ -413,8 +413,10 @@ class _Run:
 
     def resolve(self, fqns) -> list[torch.Tensor]:
         """The full tensors for one operation (see ``_deferred.Resolver``)."""
-        if self.sealed is not None:
-            _recompute.refuse(self.sealed, fqns)
+        if self.sealed is not None:  # only the recompute group's own parameters
+            foreign = [f for f in fqns if self.index[f][0].name != self.sealed]
+            if foreign:
+                _recompute.refuse(self.sealed, foreign)
         places = [self.index[fqn] for fqn in fqns]
         self.holding = {state.name for state, _ in places}
         if self.in_forward and self.rebind is not None:
