@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from . import comms, harness, memory, overhead, step_time, timeline
+from . import comms, harness, memory, overhead, recompute, step_time, timeline
 from . import compile as compiled
 
 PARTS = {
@@ -27,6 +27,7 @@ PARTS = {
     "overhead": overhead.run,
     "timeline": timeline.run,
     "compile": compiled.run,
+    "recompute": recompute.run,
 }
 
 

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import harness, scale
+from . import harness, recompute, scale
 from .timeline import LANES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -386,6 +386,17 @@ def plot_scale(res: dict[str, Any], folder: Path) -> None:
     plt.close(fig)
 
 
+def time_and_peak(v: dict[str, Any]) -> list[str]:
+    """A row's step time, its ratio, the all-threads peak, its ratio and the own-thread peak."""
+    return [
+        f"{v['ms']:.0f}",
+        f"**{v['ratio']:.2f}**",
+        f"{v['peak_all'] / MiB:.1f}",
+        f"**{v['peak_ratio']:.2f}**",
+        f"{v['peak_own'] / MiB:.1f} ({v['peak_own_ratio']:.2f}x)",
+    ]
+
+
 def compile_section(results: dict[str, Any]) -> str:
     r = next((v for k, v in sorted(results.items()) if k.startswith("compile-")), None)
     if r is None:
@@ -399,11 +410,7 @@ def compile_section(results: dict[str, Any]) -> str:
         rows.append(
             [
                 label,
-                f"{v['ms']:.0f}",
-                f"**{v['ratio']:.2f}**",
-                f"{v['peak_all'] / MiB:.1f}",
-                f"**{v['peak_ratio']:.2f}**",
-                f"{v['peak_own'] / MiB:.1f} ({v['peak_own_ratio']:.2f}x)",
+                *time_and_peak(v),
                 f"{v['first_call_s']:.1f}" if counted else f"({v['first_call_s']:.1f})",
                 v["graphs"] if counted else "-",
                 v["recompiles"] if counted else "-",
@@ -517,6 +524,7 @@ def summary_section(results: dict[str, Any]) -> str:
                     _mark("ratio" not in theirs or ours["ratio"] <= theirs["ratio"]),
                 ]
             )
+    rows += recompute.summary_rows(results)
     if not rows:
         return ""
     return _table(["", "target", "measured (funcshard / FSDP2)", "met"], rows) + "\n"
@@ -536,6 +544,7 @@ def sections(results: dict[str, Any], folder: Path, images: str) -> dict[str, st
         "scale": scale_section(results, folder, images),
         "timeline": timeline_section(results, folder, images),
         "compile": compile_section(results),
+        "recompute": recompute.section(results),
     }
 
 

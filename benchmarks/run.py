@@ -1,6 +1,7 @@
 """The benchmark suite's driver: ``make bench`` (= ``python -m benchmarks.run``).
 
-    python -m benchmarks.run [--quick] [--only step,memory,comms,overhead,timeline,compile,scale]
+    python -m benchmarks.run [--quick]
+        [--only step,memory,comms,overhead,timeline,compile,recompute,scale]
                              [--device cpu|cuda] [--ranks 2,4] [--out DIR] [--no-report]
 
 Parts that need ranks run under ``torchrun`` (one launch per world size, all its parts in
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from . import harness
 
-RANK_PARTS = ("step", "memory", "comms", "overhead", "timeline", "compile")
+RANK_PARTS = ("step", "memory", "comms", "overhead", "timeline", "compile", "recompute")
 LOCAL_PARTS = ("scale", "overhead")
 EVERY_WORLD = ("step", "comms")  # the others run on the smallest world size only
 

@@ -20,11 +20,18 @@ the whole tree (docs/compile.md, "The recommended pattern").
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    CheckpointWrapper,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -40,7 +47,10 @@ class Options:
     the parameters' own); gradients are then reduced in fp32. ``prefetch`` /
     ``backward_prefetch`` / ``merge_bytes`` are funcshard's plan (FSDP2 keeps its defaults);
     ``module_groups`` gives FSDP2 explicit groups (each a list of module fqns sharded together,
-    ``fully_shard([...])``) instead of one per module of ``group_types``."""
+    ``fully_shard([...])``) instead of one per module of ``group_types``. ``recompute``:
+    activation checkpointing of every group module -- FSDP2: ``checkpoint_wrapper``
+    (non-reentrant) around each, then ``fully_shard`` on the wrappers (torchtitan's order);
+    funcshard: ``fs.plan(..., recompute=True)``."""
 
     param_dtype: torch.dtype | None = None
     reshard_after_forward: bool = True
@@ -51,6 +61,7 @@ class Options:
     lr: float = 1e-3
     weight_decay: float = 0.1
     compile_backend: str = "inductor"  # the compiled variants' (``--quick``: aot_eager)
+    recompute: bool = False
 
     @property
     def reduce_dtype(self) -> torch.dtype | None:
@@ -91,9 +102,8 @@ def fsdp2(w: Workload, mesh: DeviceMesh, o: Options, *, compiled: bool = False) 
         for names in o.module_groups:
             fully_shard([model.get_submodule(n) for n in names], **kw)
     else:
-        for m in reversed(list(model.modules())):  # children before parents
-            if isinstance(m, w.group_types) and m is not model:
-                fully_shard(m, **kw)
+        for m in _group_modules(model, w.group_types, o.recompute):
+            fully_shard(m, **kw)
     # the root: FSDP2's default (None) keeps it unsharded from forward to backward, as funcshard
     root = None if o.reshard_after_forward else False
     fully_shard(model, **{**kw, "reshard_after_forward": root})
@@ -120,6 +130,21 @@ def fsdp2(w: Workload, mesh: DeviceMesh, o: Options, *, compiled: bool = False) 
         ],
         counter=counter,
     )
+
+
+def _group_modules(model, types, recompute: bool) -> list[torch.nn.Module]:
+    """FSDP2's group modules, children before parents; with ``recompute``, each wrapped in a
+    non-reentrant ``checkpoint_wrapper`` first (the wrappers are returned)."""
+    if recompute:
+        apply_activation_checkpointing(
+            model,
+            checkpoint_wrapper_fn=functools.partial(
+                checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
+            ),
+            check_fn=lambda m: isinstance(m, types) and m is not model,
+        )
+        types = (CheckpointWrapper,)
+    return [m for m in reversed(list(model.modules())) if isinstance(m, types) and m is not model]
 
 
 def fsdp2_compiled(w: Workload, mesh: DeviceMesh, o: Options) -> Trainer:
@@ -203,6 +228,7 @@ def plan_for(w: Workload, model: torch.nn.Module, o: Options) -> fs.Plan:
         prefetch=o.prefetch,
         backward_prefetch=o.backward_prefetch,
         reshard_after_forward=o.reshard_after_forward,
+        recompute=o.recompute or None,
     )
     if o.merge_bytes is not None:
         plan = fs.merge_groups(plan, model, o.merge_bytes, param_dtype=o.param_dtype)

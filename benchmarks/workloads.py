@@ -59,10 +59,11 @@ def _mse(out: torch.Tensor, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return out.float().square().mean()
 
 
-def transformer(quick: bool = False) -> Workload:
-    """The main job's language model (examples/train_lm.py): 8 blocks, width 512, 8 heads."""
+def transformer(quick: bool = False, sequences: int = 2) -> Workload:
+    """The main job's language model (examples/train_lm.py): 8 blocks, width 512, 8 heads;
+    ``sequences`` per rank per step."""
     layers, width, heads, vocab, seq, size = (
-        (2, 64, 4, 128, 16, 2) if quick else (8, 512, 8, 512, 64, 2)
+        (2, 64, 4, 128, 16, sequences) if quick else (8, 512, 8, 512, 64, sequences)
     )
 
     def batch(step: int, rank: int) -> tuple[torch.Tensor, ...]:

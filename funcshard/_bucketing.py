@@ -17,6 +17,8 @@ merging that window is at most ``(1 + prefetch) * max_bytes`` (plus the root gro
 Only groups with a single run in the forward order (and in the backward order) are merged, and
 only with neighbours that have the same ``reshard_after_forward``: a group that runs twice (a
 root whose embedding is used first and its tied head last) keeps its own place in the schedule.
+A group that recomputes in backward (``Group.recompute``) is not merged: its module is what is
+recomputed.
 """
 
 from __future__ import annotations
@@ -39,12 +41,13 @@ def merge_groups(
     """A new plan where consecutive small groups (in forward order) are merged into one group.
 
     Walks ``plan.order`` and merges each group with the run before it while both run only once
-    per direction, have the same ``reshard_after_forward``, and the merged group's unsharded size
-    stays at most ``max_bytes``. A merged group is named ``"first..last"`` after its first and
-    last members and holds their parameters in forward order; it is gathered with one
-    collective per dtype (see :func:`~funcshard.schedule`). Groups larger than ``max_bytes`` stay
-    as they are. Values and gradients are unchanged; the collectives per step drop with the
-    number of groups, and the unsharded window grows to at most ``(1 + prefetch) * max_bytes``.
+    per direction, neither recomputes, both have the same ``reshard_after_forward``, and the
+    merged group's unsharded size stays at most ``max_bytes``. A merged group is named
+    ``"first..last"`` after its first and last members and holds their parameters in forward
+    order; it is gathered with one collective per dtype (see :func:`~funcshard.schedule`).
+    Groups larger than ``max_bytes`` stay as they are. Values and gradients are unchanged; the
+    collectives per step drop with the number of groups, and the unsharded window grows to at
+    most ``(1 + prefetch) * max_bytes``.
 
     Args:
         plan: from :func:`~funcshard.plan` (or edited).
@@ -126,10 +129,12 @@ def _group_bytes(plan: Plan, param_bytes: Mapping[str, int]) -> dict[str, int]:
 
 def _buckets(plan: Plan, nbytes: Mapping[str, int], max_bytes: int) -> list[list[str]]:
     """The runs of ``plan.order`` split into buckets of consecutive mergeable groups."""
-    once = {
+    once = {  # a recompute group's module is recomputed as a whole: it stays a group
         g.name
         for g in plan.groups
-        if plan.order.count(g.name) == 1 and plan.backward_order.count(g.name) <= 1
+        if plan.order.count(g.name) == 1
+        and plan.backward_order.count(g.name) <= 1
+        and not g.recompute
     }
     reshard = {g.name: g.reshard_after_forward for g in plan.groups}
     buckets: list[list[str]] = []

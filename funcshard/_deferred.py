@@ -51,7 +51,12 @@ class Resolver(Protocol):
     scheduler advance to ``B`` -- and free ``A`` -- before the operation runs. So all of an
     operation's parameters are resolved in one call, and ``release`` follows the operation:
     frees due in between wait for it.
+
+    ``sealed``: the name of a recompute group whose forward is running; while set, resolving a
+    parameter of another group refuses (it would get no gradient under ``torch.func``).
     """
+
+    sealed: str | None
 
     def resolve(self, fqns: Sequence[str]) -> list[torch.Tensor]: ...
 
@@ -63,6 +68,14 @@ class _Detached:
 
     def __init__(self, inner: Resolver) -> None:
         self.inner = inner
+
+    @property
+    def sealed(self) -> str | None:
+        return self.inner.sealed
+
+    @sealed.setter
+    def sealed(self, value: str | None) -> None:
+        self.inner.sealed = value
 
     def resolve(self, fqns: Sequence[str]) -> list[torch.Tensor]:
         return [t.detach() for t in self.inner.resolve(fqns)]
@@ -102,17 +115,36 @@ class Deferred(torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
-        by_resolver: dict[int, tuple[Resolver, list[int]]] = {}
-        for i, x in enumerate(leaves):
-            if isinstance(x, Deferred):
-                by_resolver.setdefault(id(x._resolver), (x._resolver, []))[1].append(i)
-        try:  # see [Note: one operation's parameters are resident together]
-            for resolver, where in by_resolver.values():
-                real = resolver.resolve([leaves[i]._fqn for i in where])
-                for i, t in zip(where, real, strict=True):
-                    leaves[i] = t
-            args, kwargs = optree.tree_unflatten(spec, leaves)
+        real, resolvers = resolve_all(leaves)
+        try:
+            args, kwargs = optree.tree_unflatten(spec, real)
             return func(*args, **kwargs)  # no Deferred left: no recursion
         finally:
-            for resolver, _ in by_resolver.values():
-                resolver.release()
+            release_all(resolvers)
+
+
+def resolve_all(leaves: Sequence) -> tuple[list, list[Resolver]]:
+    """``leaves`` with each :class:`Deferred` replaced by its real tensor, and the resolvers
+    to :func:`release_all` once the operation on them ran (see [Note: one operation's
+    parameters are resident together])."""
+    leaves = list(leaves)
+    by_resolver: dict[int, tuple[Resolver, list[int]]] = {}
+    for i, x in enumerate(leaves):
+        if isinstance(x, Deferred):
+            by_resolver.setdefault(id(x._resolver), (x._resolver, []))[1].append(i)
+    done = []
+    try:
+        for resolver, where in by_resolver.values():
+            done.append(resolver)
+            real = resolver.resolve([leaves[i]._fqn for i in where])
+            for i, t in zip(where, real, strict=True):
+                leaves[i] = t
+    except BaseException:
+        release_all(done)
+        raise
+    return leaves, done
+
+
+def release_all(resolvers: Sequence[Resolver]) -> None:
+    for resolver in resolvers:
+        resolver.release()

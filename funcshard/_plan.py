@@ -53,6 +53,9 @@ class Group:
 
     ``param_dtype`` / ``reduce_dtype``: this group's mixed precision (as in
     :func:`~funcshard.unshard`); ``None`` takes the value given to :func:`~funcshard.schedule`.
+    ``recompute``: the group's module (``module.get_submodule(name)``) keeps no activations in
+    forward and recomputes its forward in backward (activation checkpointing; see
+    [Note: recompute as part of the plan]). Not for the root group ``""``.
     """
 
     name: str
@@ -60,6 +63,7 @@ class Group:
     reshard_after_forward: bool = True
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    recompute: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +110,23 @@ class Plan:
         if "order" in changes and "backward_order" not in changes:
             changes["backward_order"] = None
         return dataclasses.replace(self, **changes)
+
+    def with_recompute(self, which: bool | int | Iterable[str]) -> Plan:
+        """A new plan where exactly the groups ``which`` selects recompute their forward in
+        backward (the others do not); see [Note: recompute as part of the plan].
+
+        ``which``: ``True`` every group but the root; ``False`` / ``None`` none; an int ``k >= 1``
+        every k-th group in forward order, the root left out (the k-th, 2k-th, ...: ``2`` is
+        every other block, as torchtitan's ``selective_ac_option``); an iterable of group
+        names: those ("selective").
+
+        Raises:
+            ValueError: ``k < 1``; a name that is not a group, or the root group ``""``.
+        """
+        chosen = _recompute_names(self, which)
+        return self.replace(
+            groups=tuple(dataclasses.replace(g, recompute=g.name in chosen) for g in self.groups)
+        )
 
     def group_of(self) -> dict[str, str]:
         """``{parameter fqn: group name}``."""
@@ -159,6 +180,7 @@ class Plan:
         for g in self.groups:
             notes = [] if g.reshard_after_forward else ["kept unsharded after forward"]
             notes += [f"{k} {str(v).removeprefix('torch.')}" for k, v in _dtypes(g) if v]
+            notes += ["recomputed in backward"] if g.recompute else []
             extra = f"  ({', '.join(notes)})" if notes else ""
             lines.append(f"  {g.name or '<root>':<{width}}  {len(g.params)} params{extra}")
         lines.append("order: " + " -> ".join(n or "<root>" for n in self.order))
@@ -184,6 +206,7 @@ def plan(
     ignored: Iterable[Any] = (),
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    recompute: bool | int | Iterable[str] | None = None,
 ) -> Plan:
     """The plan for ``module``: groups from :func:`~funcshard.group`, and their order.
 
@@ -211,13 +234,17 @@ def plan(
         param_dtype / reduce_dtype: every group's mixed precision (see :class:`Group`), except
             that with a low-precision ``param_dtype`` each BatchNorm module becomes a group of its
             own in float32, with a warning (see [Note: BatchNorm stays in full precision]).
+        recompute: which groups recompute their forward in backward (activation
+            checkpointing): ``True`` all but the root, an int ``k`` every k-th, or a list of
+            group names; see :meth:`Plan.with_recompute`. Default: none.
 
     Groups without parameters are dropped.
 
     Raises:
         ValueError: ``order`` names an unknown group; negative prefetch; ``sharded`` without
             example inputs, or lacking a parameter of the groups; ranks whose real forwards used
-            the groups in different orders (on every rank).
+            the groups in different orders (on every rank); ``recompute`` names an unknown group
+            or the root.
         RuntimeError: the dry run failed on meta tensors (pass ``sharded=`` or ``order=``).
     """
     recorded = example_args is not None or example_kwargs is not None
@@ -249,7 +276,46 @@ def plan(
             )
         else:
             order = _depth_first_order(module, [g.name for g in groups])
-    return Plan(tuple(groups), tuple(order), backward_order, prefetch, backward_prefetch)
+    made = Plan(tuple(groups), tuple(order), backward_order, prefetch, backward_prefetch)
+    return made if recompute is None else made.with_recompute(recompute)
+
+
+def _recompute_names(p: Plan, which: bool | int | Iterable[str] | None) -> set[str]:
+    """The group names ``which`` selects (see :meth:`Plan.with_recompute`). Activation
+    checkpointing is a per-group field of the plan, printed, saved and edited like the rest; how
+    it runs is [Note: recompute as part of the plan] in ``_recompute.py``."""
+    if which is None or which is False:
+        return set()
+    blocks = [n for n in dict.fromkeys(p.order) if n != ""]
+    blocks += [g.name for g in p.groups if g.name and g.name not in blocks]
+    if which is True:
+        return set(blocks)
+    if isinstance(which, int):
+        if which < 1:
+            raise ValueError(
+                f"Plan.with_recompute: an int selects every k-th group and must be >= 1, got "
+                f"{which}; pass False for none."
+            )
+        return set(blocks[which - 1 :: which])
+    if isinstance(which, str):
+        which = [which]
+    names = list(which)
+    if "" in names:
+        raise ValueError(_ROOT_RECOMPUTES)
+    unknown = sorted(set(names) - {g.name for g in p.groups})
+    if unknown:
+        raise ValueError(
+            f"Plan.with_recompute: {unknown} are not groups of the plan; groups are "
+            f"{[g.name for g in p.groups]}."
+        )
+    return set(names)
+
+
+_ROOT_RECOMPUTES = (
+    "Plan: the root group '' cannot recompute its forward in backward (its module is the whole "
+    "model, which schedule runs itself); recompute the groups inside it (e.g. recompute=True "
+    "selects every group but the root), or give the root's modules groups of their own."
+)
 
 
 def _batchnorm_rule(module, policy, param_dtype) -> tuple[Policy | None, list[str]]:
@@ -290,6 +356,7 @@ def _group_from_json(d: dict[str, Any]) -> Group:
         d["reshard_after_forward"],
         dtype(d.get("param_dtype")),
         dtype(d.get("reduce_dtype")),
+        d.get("recompute", False),  # absent in plans saved before recompute existed
     )
 
 
@@ -361,6 +428,8 @@ def _validate(p: Plan) -> None:
     names = [g.name for g in p.groups]
     if len(set(names)) != len(names):
         raise ValueError(f"Plan: duplicate group names in {names}.")
+    if any(g.recompute for g in p.groups if g.name == ""):
+        raise ValueError(_ROOT_RECOMPUTES)
     params = [x for g in p.groups for x in g.params]
     if len(set(params)) != len(params):
         dup = sorted({x for x in params if params.count(x) > 1})

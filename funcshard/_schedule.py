@@ -74,7 +74,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from . import _compile, _flat, _parallel, _sink
+from . import _compile, _flat, _parallel, _recompute, _sink
 from ._collectives import Notify, async_allowed
 from ._consensus import agree, leaf
 from ._deferred import Deferred
@@ -114,13 +114,14 @@ def schedule(
 
     Raises:
         ValueError: a planned parameter is missing from ``sharded``, or a sharded one is in no
-            group.
+            group; a recompute group is not a module holding only its own group's parameters.
         TypeError: ``sharded`` is not a mapping, or a planned entry is not a shard.
     """
     mean = reduce_mean(grad_reduce)
     group_of = plan.group_of()
     tied = aliases(module)
     unplanned = [n for n, _ in module.named_parameters() if n not in group_of and n not in tied]
+    recomputed = _recompute.modules(module, plan)  # see [Note: recompute as part of the plan]
 
     @_compile.traced  # see [Note: funcshard under torch.compile]
     def apply(sharded: Mapping[str, Any], *args: Any, buffers=None, **kwargs: Any) -> Any:
@@ -130,7 +131,7 @@ def schedule(
         check_not_wrapped(module, "functional_call")
         named = slots(module, ({**params, **deferred}, buffers or {}), True, False)
         run.bind_regions(module, named)
-        with run.saved_tensor_hooks():
+        with run.saved_tensor_hooks(), _recompute.recomputing(recomputed):
             out = call(module, named, args, kwargs)
         run.end_forward()
         return out
@@ -399,6 +400,7 @@ class _Run:
         # checkpoint regions: see [Note: activation checkpointing inside a funcshard call]
         self.rebind: tuple[nn.Module, dict[str, Any]] | None = None
         self.recomputing = 0
+        self.sealed: str | None = None  # a recompute group's forward is running (_recompute)
 
     # ---- what the module sees ------------------------------------------------------------
     def metadata(self, fqn: str):
@@ -411,6 +413,10 @@ class _Run:
 
     def resolve(self, fqns) -> list[torch.Tensor]:
         """The full tensors for one operation (see ``_deferred.Resolver``)."""
+        if self.sealed is not None:  # only the recompute group's own parameters
+            foreign = [f for f in fqns if self.index[f][0].name != self.sealed]
+            if foreign:
+                _recompute.refuse(self.sealed, foreign)
         places = [self.index[fqn] for fqn in fqns]
         self.holding = {state.name for state, _ in places}
         if self.in_forward and self.rebind is not None:

@@ -15,7 +15,17 @@ import torch.distributed as dist
 from torch import nn
 
 import funcshard as fs
-from benchmarks import comms, harness, memory, overhead, report, scale, step_time, timeline
+from benchmarks import (
+    comms,
+    harness,
+    memory,
+    overhead,
+    recompute,
+    report,
+    scale,
+    step_time,
+    timeline,
+)
 from benchmarks import compile as compiled
 from benchmarks.memory import CATEGORIES, Event
 from benchmarks.variants import VARIANTS, Options, module_groups, plan_for
@@ -240,3 +250,53 @@ def test_parallel2d_part_on_four_ranks(world4, tmp_path):
     assert ours["collectives"] == theirs["collectives"]  # the same collectives per mesh dim
     assert ours["sent_mib"] == theirs["sent_mib"]
     assert 0.5 < ours["sent_mib"]["dp"] / ours["dp_bound_mib"] <= 1.0
+
+
+def test_fsdp2_checkpoint_wrapper_on_every_group_module():
+    """The recompute part's FSDP2 baseline: each block inside a non-reentrant
+    checkpoint_wrapper, and those wrappers are what fully_shard gets."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        CheckpointWrapper,
+    )
+
+    from benchmarks.variants import _group_modules
+
+    w = transformer(quick=True)
+    model = w.build()
+    wrapped = _group_modules(model, w.group_types, recompute=True)
+    assert len(wrapped) == 2 and all(isinstance(m, CheckpointWrapper) for m in wrapped)
+    assert all(m.checkpoint_impl == CheckpointImpl.NO_REENTRANT for m in wrapped)
+    assert all(isinstance(m._checkpoint_wrapped_module, w.group_types) for m in wrapped)
+    plain = _group_modules(w.build(), w.group_types, recompute=False)
+    assert len(plain) == 2 and all(isinstance(m, w.group_types) for m in plain)
+
+
+def recompute_smoke():
+    ctx = harness.Context(mesh(dist.get_world_size()), torch.device("cpu"), True, 2, 1)
+    return json.loads(json.dumps(recompute.run(ctx), default=str))
+
+
+def test_recompute_part_on_two_ranks(world2):
+    """Part ``recompute`` in quick mode: the four variants train the same model (FSDP2 and
+    funcshard, with and without activation checkpointing), and the report renders it."""
+    for r in world2.run(recompute_smoke):
+        (table,) = r["tables"]
+        assert list(table["rows"]) == [
+            "FSDP2 + checkpoint_wrapper",
+            "funcshard, recompute",
+            "FSDP2",
+            "funcshard",
+        ]
+        for row in table["rows"].values():
+            assert row["loss_gap"] < 1e-5 and row["rounds"] == 2
+            assert row["peak_all"] >= row["peak_own"] > 0
+        assert table["rows"]["FSDP2 + checkpoint_wrapper"]["peak_ratio"] == 1.0
+    machine = harness.machine(torch.device("cpu"))
+    results = {"recompute-2ranks": dict(result=r, world=2, rounds=2, warmup=1, machine=machine)}
+    results["recompute-2ranks"]["load_average_after"] = machine["load_average"]
+    text = recompute.section(results)
+    assert text.count("\n| ") == 2 + 4
+    assert "| funcshard, recompute |" in text
+    (line,) = recompute.summary_rows(results)
+    assert line[0] == "recompute, transformer 2 sequences per rank"

@@ -60,6 +60,7 @@ AREAS = {
     "_bucketing.py": SCHEDULE,
     "_record.py": SCHEDULE,
     "_schedule.py": SCHEDULE,
+    "_recompute.py": SCHEDULE,
     "_collectives.py": TORCH_FUNC,
     "_flat.py": TORCH_FUNC,
     "_materialize.py": INIT,
@@ -74,9 +75,11 @@ INDIRECT = {
     "_dtensor.py::locals_of": ("NotImplementedError", ["transforms over DTensor trees"]),
     "_compile.py::refuse_while_tracing": (
         "RuntimeError",
-        ["was created inside a function", "under torch.compile needs torch >= 2.13"],
+        ["was created inside a function", "under torch compile needs torch"],
     ),
     "_consensus.py::agree": ("ValueError", ["ranks disagree"]),  # built by _message
+    "_plan.py::_recompute_names": ("ValueError", ["cannot recompute its forward"]),
+    "_plan.py::_validate": ("ValueError", ["cannot recompute its forward"]),  # _ROOT_RECOMPUTES
     "testing/_pool.py::Pool._results": ("RankError", ["failed on rank", "did not finish"]),
     "checkpoint/_comm.py::all_ok": ("RuntimeError", ["Saving wait"]),  # "rank r: <error>"
     "testing/_reference.py::assert_close": ("AssertionError", ["does not match the structure"]),

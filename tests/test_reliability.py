@@ -23,12 +23,12 @@ def _live_tensors() -> int:
     return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
 
 
-def long_run(mode: str, steps: int = 34, warmup: int = 4):
+def long_run(mode: str, steps: int = 34, warmup: int = 4, recompute=None):
     """``steps`` SGD steps of the scheduled TinyLM; live tensors after each step."""
     model = make(layers=2, batchnorm=False)  # BatchNorm under torch.func needs buffers as args
     params, buffers = fs.extract(model)
     sharded = fs.shard(params, mesh(dist.get_world_size()))
-    apply = fs.schedule(model, fs.plan(model, fs.policy.by_type(Block)))
+    apply = fs.schedule(model, fs.plan(model, fs.policy.by_type(Block), recompute=recompute))
     model.to("meta")
     loss_fn = lambda p, t: lm_loss(apply(p, t, buffers=buffers), t)
     counts = []

@@ -1,0 +1,318 @@
+"""Recompute in backward: the plan's activation checkpointing (``Group.recompute``).
+
+[Note: recompute as part of the plan]
+A recompute group's module (``module.get_submodule(group.name)``) runs in forward inside one
+autograd Function, :class:`_Recompute`, whose inputs are the module's tensor arguments and the
+tensors bound to its parameters and buffers -- the group's gathered full tensors, explicit
+inputs so that their gradients flow to the gather's backward (the reduce-scatter). The Function
+keeps its inputs and nothing of the forward's intermediates; its backward runs the module's
+forward again on the same tensors and takes the vector-Jacobian product. Nothing of
+``torch.utils.checkpoint`` or saved-tensor hooks is used inside, so it works at every level of
+``torch.func`` transforms (``grad``, ``vmap(grad)``, ``grad(grad)``), where those are refused
+(pytorch #122729): there the vector-Jacobian product is ``torch.func.vjp``; under plain autograd
+it is ``torch.autograd.grad``, with the module's parameters bound during the whole backward (a
+``torch.utils.checkpoint`` inside the module then recomputes with them too).
+
+[Note: plain autograd stops early]
+Under plain autograd (no ``torch.func`` transform, not compiling) a recompute group whose module
+holds no BatchNorm runs through ``torch.utils.checkpoint(use_reentrant=False)`` instead: its
+recompute stops once the last tensor backward needs is rebuilt (skipping, e.g., a block's last
+matmul), and a funcshard call binds each checkpoint region to its parameters (see [Note:
+activation checkpointing inside a funcshard call]), so the recompute re-gathers the group through
+the plan's backward steps just the same. BatchNorm keeps the Function (its running statistics are
+updated once, where ``torch.utils.checkpoint`` would update them again).
+
+With reshard after forward, the group's full tensors are among the Function's saved tensors, so
+the scheduler's saved-tensor hooks free them after forward and re-gather them when the backward
+unpacks them: the recompute uses the backward's one re-gather, as FSDP2 with activation
+checkpointing does. The module is called through its ``forward`` attribute, replaced on the
+instance for the duration of the scheduled call (no hooks are registered), and runs with its
+parameters and buffers bound to the Function's inputs (the module may be on meta). Random ops
+draw the same numbers in the recompute (the RNG states are saved and restored, as
+``torch.utils.checkpoint(preserve_rng_state=True)``), and autocast is re-entered as it was.
+Buffers the module updates in place (BatchNorm's running statistics) are updated once: the
+recompute works on copies of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import optree
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.utils.stateless import _reparametrize_module  # private: see test_recompute.py
+from torch.utils.checkpoint import (
+    DefaultDeviceType,
+    checkpoint,
+    get_device_states,
+    set_device_states,
+)
+
+from ._deferred import Deferred, release_all, resolve_all
+from ._extract import _one_per_slot, aliases, eager_grad
+from ._plan import Plan
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def modules(module: nn.Module, plan: Plan) -> dict[str, nn.Module]:
+    """``{group name: its module}`` for the plan's recompute groups.
+
+    Raises:
+        ValueError: a recompute group names no submodule of ``module`` (a merged group), or its
+            module holds parameters of another group.
+    """
+    out = {}
+    group_of, tied = plan.group_of(), aliases(module)
+    for g in plan.groups:
+        if not g.recompute:
+            continue
+        try:
+            out[g.name] = sub = module.get_submodule(g.name)
+        except AttributeError:
+            raise ValueError(
+                f"schedule: group {g.name!r} recomputes in backward, but the module has no "
+                "submodule of that name (a group merged by fs.merge_groups is not a module): "
+                "recompute groups that are modules, e.g. plan.with_recompute([...])."
+            ) from None
+        fqns = (f"{g.name}.{n}" for n, _ in sub.named_parameters(remove_duplicate=False))
+        others = {group_of.get(tied.get(f, f), g.name) for f in fqns} - {g.name}
+        if others:
+            raise ValueError(
+                f"schedule: group {g.name!r} recomputes in backward, but its module holds "
+                f"parameters of the groups {sorted(others)}; recompute those groups instead, or "
+                "make the module one group (a policy that does not split it)."
+            )
+    return out
+
+
+@contextlib.contextmanager
+def recomputing(subs: Mapping[str, nn.Module]) -> Iterator[None]:
+    """While the scheduled call runs, each module of ``subs`` runs through :class:`_Recompute`
+    (its ``forward`` attribute replaced on the instance, then restored)."""
+    saved = []
+    try:
+        for name, sub in subs.items():
+            own = sub.__dict__.get("forward")  # an instance attribute of its own, if any
+            saved.append((sub, own))
+            sub.forward = _recomputed(sub, own or sub.forward, name)
+        yield
+    finally:
+        for sub, own in reversed(saved):
+            if own is None:
+                sub.__dict__.pop("forward", None)
+            else:
+                sub.forward = own
+
+
+def refuse(group: str, fqns) -> None:
+    """Raises: a recompute group's forward used parameters it does not own (see ``_Run``)."""
+    raise ValueError(
+        f"schedule: the module of group {group!r}, which recomputes in backward, used the "
+        f"parameters {list(fqns)} of another group in its forward; their gradients would be "
+        "lost. A recompute group's module must compute with its own parameters and its inputs: "
+        "pass the tensor as an argument, or do not recompute this group."
+    )
+
+
+def _recomputed(sub: nn.Module, forward: Callable, group: str) -> Callable:
+    """``sub``'s forward through :class:`_Recompute` (plain while gradients are off)."""
+
+    checkpointable = not any(isinstance(m, _BatchNorm) for m in sub.modules())
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():  # nothing to keep or recompute
+            return forward(*args, **kwargs)
+        if checkpointable and eager_grad():  # see [Note: plain autograd stops early]
+            resolvers = {id(r): r for r in _resolvers(sub)}.values()
+            for resolver in resolvers:  # a parameter of another group is refused meanwhile
+                resolver.sealed = group
+            try:
+                return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+            finally:
+                for resolver in resolvers:
+                    resolver.sealed = None
+        leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+        at = tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
+        slots: dict[int, tuple[torch.Tensor, list[str]]] = {}  # one input per distinct tensor
+        for slot, t in _one_per_slot(sub, dict(_named_state(sub))).items():
+            slots.setdefault(id(t), (t, []))[1].append(slot)
+        buffers = {n for n, _ in sub.named_buffers(remove_duplicate=False)}
+        inputs = [leaves[i] for i in at] + [t for t, _ in slots.values()]
+        for i in at:
+            leaves[i] = None  # the call keeps no tensor: they are the Function's inputs
+        real, resolvers = resolve_all(inputs)  # the group's turn in the plan: see _deferred
+        try:
+            call = _Call(
+                sub,
+                forward,
+                (spec, leaves, at),
+                tuple(tuple(names) for _, names in slots.values()),
+                tuple(any(n in buffers for n in names) for _, names in slots.values()),
+                real,
+            )
+            for resolver in resolvers:  # a parameter of another group is refused meanwhile
+                resolver.sealed = group
+            out = _Recompute.apply(call, *real)
+        finally:
+            for resolver in resolvers:
+                resolver.sealed = None
+            release_all(resolvers)
+        return call.outputs(out)
+
+    return run
+
+
+def _resolvers(sub: nn.Module) -> list:
+    """Who answers for ``sub``'s deferred parameters (the scheduled call's run)."""
+    return [t._resolver for _, t in _named_state(sub) if isinstance(t, Deferred)]
+
+
+def _named_state(sub: nn.Module):
+    return itertools.chain(
+        sub.named_parameters(remove_duplicate=False), sub.named_buffers(remove_duplicate=False)
+    )
+
+
+class _Call:
+    """What one recomputed call needs besides its tensors. Held by the autograd node, it holds
+    nothing of the scheduler's per-call state (see [Note: per-call state is not reachable from
+    the graph] in ``_schedule``).
+
+    ``args``: the flattened arguments' spec, their non-tensor leaves, the tensors' positions;
+    ``names``: each state tensor's slot names in the module; ``is_buffer``: which are buffers."""
+
+    def __init__(self, module, forward, args, names, is_buffer, tensors) -> None:
+        self.module, self.forward = module, forward
+        self.spec, self.leaves, self.at = args
+        self.names, self.is_buffer = names, is_buffer
+        self.out_spec = self.out_leaves = self.differentiable = None
+        self.cpu_rng = torch.get_rng_state()
+        self.device_type = DefaultDeviceType.get_device_type()
+        self.devices, self.device_rng = get_device_states(*tensors)
+        self.autocast = [
+            (d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+            for d in _AUTOCAST_DEVICES
+        ]
+
+    @contextlib.contextmanager
+    def bound(self, tensors) -> Iterator[None]:
+        """The module's parameters and buffers bound to the state part of ``tensors``."""
+        state = tensors[len(self.at) :]
+        bound = {name: t for ns, t in zip(self.names, state, strict=True) for name in ns}
+        with _reparametrize_module(self.module, bound):
+            yield
+
+    def run(self, tensors) -> tuple[torch.Tensor, ...]:
+        """The module's forward on ``tensors`` (arguments, then state; bound by the caller):
+        its output tensors."""
+        leaves = list(self.leaves)
+        for i, t in zip(self.at, tensors, strict=False):
+            leaves[i] = t
+        args, kwargs = optree.tree_unflatten(self.spec, leaves)
+        out_leaves, out_spec = optree.tree_flatten(self.forward(*args, **kwargs), none_is_leaf=True)
+        out = tuple(x for x in out_leaves if isinstance(x, torch.Tensor))
+        if self.out_spec is None:
+            self.out_spec = out_spec
+            self.out_leaves = [None if isinstance(x, torch.Tensor) else x for x in out_leaves]
+            self.differentiable = tuple(_differentiable(t) for t in out)
+        return out
+
+    def outputs(self, tensors) -> Any:
+        """The module's output, from the Function's output tensors."""
+        tensors = iter(tensors)
+        leaves = [next(tensors) if x is None else x for x in self.out_leaves]
+        return optree.tree_unflatten(self.out_spec, leaves)
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        """The forward's RNG states and autocast settings."""
+        with torch.random.fork_rng(devices=self.devices, device_type=self.device_type):
+            torch.set_rng_state(self.cpu_rng)
+            if self.devices:
+                set_device_states(self.devices, self.device_rng, device_type=self.device_type)
+            with contextlib.ExitStack() as stack:
+                for device, enabled, dtype in self.autocast:
+                    stack.enter_context(torch.autocast(device, dtype, enabled))
+                yield
+
+
+class _Recompute(torch.autograd.Function):
+    """``forward(call, *tensors)``: the module's output tensors, keeping only ``tensors``;
+    ``backward``: recompute and take the vector-Jacobian product. See [Note: recompute as part
+    of the plan]."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(call: _Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with call.bound(tensors):
+            return call.run(tensors)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        call, *tensors = inputs
+        ctx.call = call
+        ctx.save_for_backward(*tensors)  # with reshard: freed, re-gathered on unpack
+        ctx.mark_non_differentiable(*(t for t in output if not _differentiable(t)))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        call: _Call = ctx.call
+        tensors = list(ctx.saved_tensors)
+        n = len(call.at)
+        for j, buffer in enumerate(call.is_buffer):
+            if buffer:  # updated in place once, by the forward (see the Note)
+                tensors[n + j] = tensors[n + j].clone()
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[1:]) if need]
+        with call.replay():
+            found = _vjp(call, tensors, wanted, grads)
+        out: list[torch.Tensor | None] = [None] * len(tensors)
+        for i, g in zip(wanted, found, strict=True):
+            out[i] = g
+        return (None, *out)
+
+
+def _differentiable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def _vjp(call: _Call, tensors: list, wanted: list[int], grads) -> tuple:
+    """Gradients of the recomputed outputs (weighted by ``grads``) for ``tensors[wanted]``."""
+    if not wanted:
+        return ()
+    grads = [
+        g for g, d in zip(grads, call.differentiable, strict=True) if d
+    ]  # non-differentiable outputs get no gradient
+    if torch._C._functorch.peek_interpreter_stack() is None:  # plain autograd
+        inputs = list(tensors)
+        for i in wanted:
+            inputs[i] = tensors[i].detach().requires_grad_()
+        with torch.enable_grad(), call.bound(inputs):  # bound until the grads are taken
+            outs = [o for o in call.run(inputs) if _differentiable(o)]
+            pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad]
+            if not pairs:
+                return (None,) * len(wanted)
+            return torch.autograd.grad(
+                [o for o, _ in pairs],
+                [inputs[i] for i in wanted],
+                [torch.zeros_like(o) if g is None else g for o, g in pairs],
+                allow_unused=True,
+            )
+
+    def differentiated(*chosen):
+        inputs = list(tensors)
+        for i, t in zip(wanted, chosen, strict=True):
+            inputs[i] = t
+        with call.bound(inputs):
+            return tuple(o for o in call.run(inputs) if _differentiable(o))
+
+    outs, vjp_fn = torch.func.vjp(differentiated, *(tensors[i] for i in wanted))
+    return vjp_fn(
+        tuple(torch.zeros_like(o) if g is None else g for o, g in zip(outs, grads, strict=True))
+    )
