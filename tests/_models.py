@@ -128,3 +128,57 @@ class Wide(nn.Module):
 
     def forward(self, x):
         return self.out(self.blocks(self.inp(x)))
+
+
+class BasicBlock(nn.Module):
+    """torchvision's ResNet BasicBlock (torchvision's wheels for our torch are CUDA builds that
+    fail to import on CPU machines)."""
+
+    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x):
+        y = self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x)))))
+        return F.relu(y + (x if self.downsample is None else self.downsample(x)))
+
+
+class ResNet(nn.Module):
+    """ResNet-18's layout (7x7 stem, max pool, 4 stages of 2 BasicBlocks, pooled linear head),
+    narrow; ``reinit``: re-initialise in ``__init__`` as torchvision's ResNet does."""
+
+    def __init__(self, width: int = 8, classes: int = 10, reinit: bool = True) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        stages, cin = [], width
+        for i, cout in enumerate([width, 2 * width, 4 * width, 8 * width]):
+            stride = 1 if i == 0 else 2
+            stages.append(nn.Sequential(BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)))
+            cin = cout
+        self.layers = nn.Sequential(*stages)
+        self.fc = nn.Linear(cin, classes)
+        if reinit:
+            for m in self.modules():
+                resnet_init(m)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 3, 2, 1)
+        return self.fc(self.layers(x).mean((2, 3)))
+
+
+def resnet_init(m: nn.Module) -> None:
+    """torchvision's ResNet init: Kaiming-normal convolutions, BatchNorm 1 and 0."""
+    if isinstance(m, nn.Conv2d):
+        nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+    elif isinstance(m, nn.BatchNorm2d):
+        nn.init.constant_(m.weight, 1)
+        nn.init.constant_(m.bias, 0)

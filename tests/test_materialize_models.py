@@ -12,7 +12,6 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 import funcshard as fs
@@ -20,6 +19,7 @@ from funcshard._construction import recorded
 from funcshard._profiling import peak_bytes
 
 from _mesh import mesh
+from _models import ResNet, resnet_init
 
 
 def mismatches(got: dict, ref: dict) -> list:
@@ -111,56 +111,6 @@ def test_hugging_face_without_init_says_what_to_pass(world1):
 
 
 # ResNet ---------------------------------------------------------------------------------------
-
-
-class BasicBlock(nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.down = None
-        if stride != 1 or cin != cout:
-            self.down = nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
-            )
-
-    def forward(self, x):
-        y = self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x)))))
-        return F.relu(y + (x if self.down is None else self.down(x)))
-
-
-class ResNet(nn.Module):
-    """ResNet-18's layout (2 blocks per stage), narrow; re-initialises in ``__init__`` as
-    torchvision's ResNet does."""
-
-    def __init__(self, width: int = 8, classes: int = 10, reinit: bool = True) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, width, 7, 2, 3, bias=False)
-        self.bn1 = nn.BatchNorm2d(width)
-        stages, cin = [], width
-        for i, cout in enumerate([width, 2 * width, 4 * width, 8 * width]):
-            stride = 1 if i == 0 else 2
-            stages.append(nn.Sequential(BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)))
-            cin = cout
-        self.layers = nn.Sequential(*stages)
-        self.fc = nn.Linear(cin, classes)
-        if reinit:
-            for m in self.modules():
-                resnet_init(m)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 3, 2, 1)
-        return self.fc(self.layers(x).mean((2, 3)))
-
-
-def resnet_init(m: nn.Module) -> None:
-    if isinstance(m, nn.Conv2d):
-        nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-    elif isinstance(m, nn.BatchNorm2d):
-        nn.init.constant_(m.weight, 1)
-        nn.init.constant_(m.bias, 0)
 
 
 def resnet():

@@ -1,6 +1,7 @@
 """Real models nobody on the project wrote, on 2 gloo ranks: Hugging Face ``transformers`` GPT-2
 (tied head) and Llama built from small configs (no download), each with and without activation
-checkpointing (``torch.utils.checkpoint`` per layer), and a ResNet with BatchNorm written here.
+checkpointing (``torch.utils.checkpoint`` per layer), and a ResNet-18-shaped network with
+BatchNorm (``_models.ResNet``: torchvision's wheels for our torch are CUDA builds).
 
 Each goes through the documented pattern (``fs.extract``, ``module.to("meta")``, ``fs.shard``,
 ``fs.plan`` + ``fs.schedule``, ``fs.unshard`` + ``fs.functional_call``, ``fs.reduce``,
@@ -34,57 +35,13 @@ import funcshard as fs
 
 from _comm import counts
 from _mesh import mesh
+from _models import BasicBlock, ResNet
 
 VOCAB, LENGTH, BATCH = 96, 8, 2  # per-rank batch: BATCH sequences of LENGTH tokens
 MODELS = ["gpt2", "gpt2-ckpt", "llama", "llama-ckpt", "resnet"]
 
 
 # ---- the models ---------------------------------------------------------------------------
-
-
-class BasicBlock(nn.Module):
-    """torchvision's ResNet BasicBlock (torchvision itself has only CUDA wheels for our torch)."""
-
-    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.downsample = None
-        if stride != 1 or cin != cout:
-            self.downsample = nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
-            )
-
-    def forward(self, x):
-        out = F.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        return F.relu(out + (x if self.downsample is None else self.downsample(x)))
-
-
-class ResNet(nn.Module):
-    """A narrow ResNet: ResNet-18's stem, BasicBlocks and init, one block per stage (4 stages),
-    a pooled linear head."""
-
-    def __init__(self, width: int = 8, classes: int = 10) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, width, 3, 1, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(width)
-        widths = [width, 2 * width, 4 * width, 8 * width]
-        blocks, cin = [], width
-        for i, w in enumerate(widths):
-            blocks.append(BasicBlock(cin, w, 1 if i == 0 else 2))
-            cin = w
-        self.layers = nn.Sequential(*blocks)
-        self.fc = nn.Linear(cin, classes)
-        for m in self.modules():  # torchvision's own init
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-
-    def forward(self, x):
-        h = self.layers(F.relu(self.bn1(self.conv1(x))))
-        return self.fc(h.mean((2, 3)))
 
 
 def build(name: str) -> nn.Module:
@@ -133,7 +90,7 @@ def batch(name: str, rank: int, step: int = 0) -> dict[str, torch.Tensor]:
     losses is the loss of the global batch (docs/testing.md)."""
     g = torch.Generator().manual_seed(1000 * step + rank)
     if name == "resnet":
-        images = torch.randn(BATCH, 3, 8, 8, generator=g)
+        images = torch.randn(BATCH, 3, 32, 32, generator=g)
         return {"images": images, "classes": torch.randint(0, 10, (BATCH,), generator=g)}
     ids = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=g)
     mask = torch.ones_like(ids)
