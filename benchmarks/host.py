@@ -96,8 +96,8 @@ def _build(layers: int) -> Llama:
     return Llama(layers)
 
 
-def plain(layers: int, mesh):
-    model = _build(layers)
+def _torch_step(model: nn.Module):
+    """A step of ``model``'s own parameters: forward, backward, ``torch.optim.AdamW``."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step(tokens):
@@ -106,6 +106,10 @@ def plain(layers: int, mesh):
         opt.zero_grad(set_to_none=True)
 
     return step
+
+
+def plain(layers: int, mesh):
+    return _torch_step(_build(layers))
 
 
 def fsdp2(layers: int, mesh):
@@ -115,14 +119,7 @@ def fsdp2(layers: int, mesh):
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    def step(tokens):
-        _loss(model(tokens), tokens).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
+    return _torch_step(model)
 
 
 def funcshard(layers: int, mesh):
