@@ -71,6 +71,7 @@ INDIRECT = {
     "_consensus.py::agree": ("ValueError", ["ranks disagree"]),  # built by _message
     "testing/_pool.py::Pool._results": ("RankError", ["failed on rank", "did not finish"]),
     "checkpoint/_comm.py::all_ok": ("RuntimeError", ["Saving wait"]),  # "rank r: <error>"
+    "_autodiff.py::value_and_grad.wrapped": ("TypeError", ["inside another fs value_and_grad"]),
     "checkpoint/_load.py::load": ("RuntimeError", ["is damaged key", "reading the data of"]),
     "testing/_reference.py::assert_close": ("AssertionError", ["does not match the structure"]),
 }
