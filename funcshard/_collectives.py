@@ -65,6 +65,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from . import _debug
 from ._compile import compiling, issued, waits_for
 from ._profiling import span
 
@@ -189,6 +190,7 @@ def _split_pieces(flat: torch.Tensor, shapes, dim: int) -> list[torch.Tensor]:
 def _all_gather(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """Gather ``x`` along ``comm.dim`` (synchronously unless ``dim == 0`` and async)."""
     x = wait(x).to(comm.gather_dtype or x.dtype)
+    _debug.check("all_gather", comm.group, comm.label, x)  # see [Note: checked collectives]
     with span("all_gather", comm.label):
         y = issued(_ops.all_gather_into_tensor(x.contiguous(), comm.world, comm.group.group_name))
     if comm.dim == 0:
@@ -202,6 +204,7 @@ def _reduce_scatter(x, comm: Comm, out_dtype: torch.dtype, donated: bool) -> tor
     d, w = comm.dim, comm.world
     if d != 0:  # [A, W*c, B] -> [W*A, c, B]: rank r's chunk is contiguous, returns as [A, c, B]
         x = x.unflatten(d, (w, x.shape[d] // w)).movedim(d, 0).flatten(0, 1).contiguous()
+    _debug.check("reduce_scatter", comm.group, comm.label, x)
     with span("reduce_scatter", comm.label):
         y = issued(_ops.reduce_scatter_tensor(x, "sum", w, comm.group.group_name))
     if d == 0 and comm.async_op and y.dtype == out_dtype:
@@ -236,6 +239,7 @@ def copies_reduce_scatter_input(group: dist.ProcessGroup, device_type: str) -> b
 def _all_reduce(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     x = wait(x)
     y, _ = _reduce_input(x, comm, False)
+    _debug.check("all_reduce", comm.group, comm.label, y)
     with span("all_reduce", comm.label):
         y = issued(_ops.all_reduce(y, "sum", comm.group.group_name))
     if comm.async_op and y.dtype == x.dtype and y.numel():
@@ -277,6 +281,7 @@ def start_all_gather(comm: Comm, pieces) -> Started:
     dtype = comm.gather_dtype or pieces[0].dtype
     output = torch.empty(comm.world * size, dtype=dtype, device=pieces[0].device)
     slot = output.narrow(0, dist.get_rank(comm.group) * size, size)
+    _debug.check("all_gather", comm.group, comm.label, slot)
     with torch.no_grad():
         torch._foreach_copy_(list(slot.split(numels)), [p.detach().reshape(-1) for p in pieces])
     with span("all_gather", comm.label):

@@ -76,7 +76,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _compile, _flat, _sink
 from ._collectives import Notify, async_allowed
-from ._consensus import agree, leaf
+from ._consensus import agree, cached_digest, failing, leaf
 from ._deferred import Deferred
 from ._extract import aliases, functional_call
 from ._plan import Plan, Step
@@ -123,8 +123,9 @@ def schedule(
 
     @_compile.traced  # see [Note: funcshard under torch.compile]
     def apply(sharded: Mapping[str, Any], *args: Any, buffers=None, **kwargs: Any) -> Any:
-        params = _check_tree(sharded, group_of, unplanned)
-        run = _Run(plan, sharded, _flat.Options("", param_dtype, reduce_dtype, mean))
+        with failing("schedule"):  # see [Note: one status per call] in _consensus
+            params = _check_tree(sharded, group_of, unplanned)
+            run = _Run(plan, sharded, _flat.Options("", param_dtype, reduce_dtype, mean))
         deferred = {fqn: Deferred(fqn, *run.metadata(fqn), run) for fqn in group_of}
         with run.saved_tensor_hooks():
             out = functional_call(module, ({**params, **deferred}, buffers or {}), args, kwargs)
@@ -172,6 +173,7 @@ class _Static:
 
     layouts: tuple[_flat.Layout, ...]
     options: dict[str, _flat.Options]
+    agreement: tuple  # agree's arguments, and the digest (checked at every call)
 
 
 _STATIC: collections.OrderedDict[tuple, _Static] = collections.OrderedDict()
@@ -205,16 +207,16 @@ def _static(plan: Plan, names, locals_, specs, opts: _flat.Options) -> _Static:
         found = _STATIC.get(key)
         if found is not None:
             _STATIC.move_to_end(key)
+            agree("schedule", *found.agreement)
             return found
     layouts = tuple(
         _flat.Layout.of(p, spec, t) for p, spec, t in zip(names, specs, locals_, strict=True)
     )
     check_materialized(names, locals_, "schedule")
-    agree(
-        "schedule",
-        [leaf(p, spec, t) for p, spec, t in zip(names, specs, locals_, strict=True)],
-        (*opts.key(), ("plan", plan)),
-    )
+    entries = [leaf(p, spec, t) for p, spec, t in zip(names, specs, locals_, strict=True)]
+    agreement = (entries, (*opts.key(), ("plan", plan)))
+    agreement = (*agreement, None, cached_digest("schedule", *agreement))
+    agree("schedule", *agreement)
     options = {
         g.name: _flat.Options(
             g.name,
@@ -224,7 +226,7 @@ def _static(plan: Plan, names, locals_, specs, opts: _flat.Options) -> _Static:
         )
         for g in plan.groups
     }
-    static = _Static(layouts, options)
+    static = _Static(layouts, options, agreement)
     if key is not None:
         while _STATIC and len(_STATIC) >= _STATIC_SIZE:
             _STATIC.popitem(last=False)

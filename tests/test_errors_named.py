@@ -107,3 +107,35 @@ def test_plan_from_json_names_a_missing_field():
     with pytest.raises(ValueError, match=r"the plan lacks the field\(s\) \['backward_prefetch'\]"):
         fs.Plan.from_json(broken)
     assert fs.Plan.from_json(text) == fs.plan(model, fs.policy.by_type(nn.Linear))
+
+
+def empty_batch_on_one_rank():
+    model, params = _model()
+    sharded = fs.shard(params, mesh(2))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(0 if dist.get_rank() == 1 else 6, 16, generator=g)  # rank 1: no samples
+
+    def mean_loss(p, x):  # the usual per-rank mean, grad_reduce="mean"
+        return fs.functional_call(model, fs.unshard(p), (x,)).pow(2).mean()
+
+    def weighted_loss(p, x):  # the documented fix: sum / global count, grad_reduce="sum"
+        count = torch.tensor(float(len(x)))
+        dist.all_reduce(count)
+        out = fs.functional_call(model, fs.unshard(p, grad_reduce="sum"), (x,))
+        return out.pow(2).sum() / count
+
+    value, grads = fs.value_and_grad(mean_loss)(sharded, x)
+    _, fixed = fs.value_and_grad(weighted_loss)(sharded, x)
+    _, ref = fs.testing.reference_value_and_grad(
+        lambda p, x: fs.functional_call(model, p, (x,)).pow(2).mean(), params, x
+    )
+    scaled = max(float((grads[k].full_tensor() * 2 - ref[k]).abs().max()) for k in ref)
+    right = max(float((fixed[k].full_tensor() - ref[k]).abs().max()) for k in ref)
+    return bool(value.isnan()), scaled, right
+
+
+def test_an_empty_batch_on_one_rank_as_documented(world2):
+    (nan0, scaled, right), (nan1, _, _) = world2.run(empty_batch_on_one_rank)
+    assert not nan0 and nan1  # the NaN is only in the empty rank's loss value
+    assert scaled < 1e-6  # "mean": the other rank's gradient, halved
+    assert right < 1e-6  # sum / global count with grad_reduce="sum": the global mean's

@@ -45,6 +45,7 @@ AREAS = {
     "_spec.py::check_materialized": INIT,
     "transforms/_shard.py": SHARDING,
     "_consensus.py": TREES,
+    "_debug.py": TREES,
     "_tree.py": TREES,
     "_autodiff.py": GRADIENTS,
     "transforms/_unshard.py": GRADIENTS,
@@ -68,7 +69,7 @@ AREAS = {
 INDIRECT = {
     "_dtensor.py::to_local": ("NotImplementedError", ["transforms over DTensor trees"]),
     "_compile.py::traced": ("RuntimeError", ["was created inside a function"]),  # .format
-    "_consensus.py::agree": ("ValueError", ["ranks disagree"]),  # built by _message
+    "_consensus.py::_agree": ("ValueError", ["ranks disagree", "raised on every rank"]),
     "testing/_pool.py::Pool._results": ("RankError", ["failed on rank", "did not finish"]),
     "checkpoint/_comm.py::all_ok": ("RuntimeError", ["Saving wait"]),  # "rank r: <error>"
     "_autodiff.py::value_and_grad.wrapped": ("TypeError", ["inside another fs value_and_grad"]),

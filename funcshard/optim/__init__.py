@@ -16,6 +16,7 @@ from ._base import (
     step,
 )
 from ._clip import ClipState, clip_by_global_norm, global_norm
+from ._finite import ApplyIfFiniteState, all_finite, apply_if_finite
 from ._kernels import AdamState, SgdState, adam, adamw, add_decayed_weights, sgd
 from ._masked import MaskedState, at_least_2d, masked
 from ._schedules import (
@@ -27,6 +28,7 @@ from ._schedules import (
 
 __all__ = [
     "AdamState",
+    "ApplyIfFiniteState",
     "ClipState",
     "EmptyState",
     "GradientTransformation",
@@ -35,6 +37,8 @@ __all__ = [
     "adam",
     "adamw",
     "add_decayed_weights",
+    "all_finite",
+    "apply_if_finite",
     "apply_updates",
     "at_least_2d",
     "chain",
