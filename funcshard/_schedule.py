@@ -127,12 +127,33 @@ def schedule(
             params = _check_tree(sharded, group_of, unplanned)
             run = _Run(plan, sharded, _flat.Options("", param_dtype, reduce_dtype, mean))
         deferred = {fqn: Deferred(fqn, *run.metadata(fqn), run) for fqn in group_of}
-        with run.saved_tensor_hooks():
+        with run.saved_tensor_hooks(), _naming_freed(run):
             out = functional_call(module, ({**params, **deferred}, buffers or {}), args, kwargs)
         run.end_forward()
         return out
 
     return apply
+
+
+@contextlib.contextmanager
+def _naming_freed(run: _Run):
+    """Name the freed groups when the forward reads freed storage: a tensor computed from a
+    parameter (``w = self.a.weight.t()``) kept past its group's free (see docs/failures.md)."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "data is not allocated yet" not in str(e):
+            raise
+        freed = {n for n, g in run.groups.items() if g.raw is not None and not g.resident}
+        params = {g.name: list(g.params) for g in run.plan.groups if g.name in freed}
+        raise RuntimeError(
+            "schedule: the forward read a tensor whose storage the plan had freed: a tensor "
+            f"computed from a parameter of the freed group(s) {params} (e.g. "
+            "`w = self.a.weight.t()` kept and used after that group's last planned use) was "
+            "used after the free. Use parameters inside the forward of the module that owns "
+            "them, put the modules that share such a tensor in one group, or set "
+            "reshard_after_forward=False for that group."
+        ) from e
 
 
 def _check_tree(sharded, group_of, unplanned) -> dict[str, Any]:

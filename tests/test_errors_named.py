@@ -139,3 +139,41 @@ def test_an_empty_batch_on_one_rank_as_documented(world2):
     assert not nan0 and nan1  # the NaN is only in the empty rank's loss value
     assert scaled < 1e-6  # "mean": the other rank's gradient, halved
     assert right < 1e-6  # sum / global count with grad_reduce="sum": the global mean's
+
+
+class KeepsAView(nn.Module):
+    """Keeps ``a.weight.t()`` past group ``a``'s last planned use, and uses it after ``b``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        w = self.a.weight.t()
+        return (self.b(x @ w) @ w).sum()
+
+
+def view_past_free():
+    torch.manual_seed(0)
+    model = KeepsAView()
+    params, _ = fs.extract(model)
+    apply = fs.schedule(model, fs.plan(model, fs.policy.by_type(nn.Linear)))
+    x = torch.ones(2, 4)
+    reference = model(x)
+    model.to("meta")
+    sharded = fs.shard(params, mesh(2))
+    found = raises(
+        lambda: fs.value_and_grad(lambda p: apply(p, x))(sharded),
+        RuntimeError,
+        "freed group(s) {'a': ['a.weight', 'a.bias']}",
+        "reshard_after_forward=False",
+    )
+    kept = fs.schedule(
+        model, fs.plan(model, fs.policy.by_type(nn.Linear), reshard_after_forward=False)
+    )
+    value = fs.value_and_grad(lambda p: kept(p, x))(sharded)[0]  # the fix, and still in step
+    return found, torch.allclose(value, reference.detach())
+
+
+def test_a_view_kept_past_its_groups_free_names_the_group(world2):
+    assert world2.run(view_past_free) == [(None, True)] * 2

@@ -6,6 +6,8 @@ seconds, not after the process group's timeout."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from unittest import mock
 
@@ -140,3 +142,60 @@ def test_debug_mode_turns_diverging_collectives_into_an_error_on_every_rank(worl
         assert "rank 0: reduce_scatter of 20 float32 for 'blocks.0'" in message, message
         assert "rank 1: all_gather of 15 float32 for 'blocks.1'" in message, message
         assert in_step
+
+
+_STORE = """
+import datetime, sys, time, torch.distributed as dist
+s = dist.TCPStore("127.0.0.1", 0, 3, True, timeout=datetime.timedelta(seconds=60),
+                  wait_for_workers=False)
+print(s.port, flush=True)
+time.sleep(600)
+"""
+
+_RANK = """
+import datetime, os, sys, time, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+import funcshard as fs
+rank, port, ready = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+timeout = datetime.timedelta(seconds=60)
+store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timeout)
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
+mesh = init_device_mesh("cpu", (2,))
+fs.unshard(fs.shard({"a": torch.ones(4)}, mesh))
+open(f"{ready}{rank}", "w").close()
+while not os.path.exists(f"{ready}gone"):  # the store's process is killed meanwhile
+    time.sleep(0.05)
+start = time.monotonic()
+try:
+    fs.unshard(fs.shard({"b": torch.ones(6)}, mesh))
+except RuntimeError as e:
+    print(f"ERROR {e} [after {time.monotonic() - start:.1f} s]", flush=True)
+"""
+
+
+def test_a_dead_store_host_is_said_so_not_a_timeout(tmp_path):
+    store = subprocess.Popen([sys.executable, "-c", _STORE], stdout=subprocess.PIPE, text=True)
+    try:
+        port = store.stdout.readline().strip()
+        ready = str(tmp_path / "ready")
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, "-c", _RANK, str(r), port, ready],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
+            for r in range(2)
+        ]
+        deadline = time.monotonic() + 120
+        while not all(os.path.exists(f"{ready}{r}") for r in range(2)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in ranks)
+            time.sleep(0.1)
+    finally:
+        store.kill()
+        store.wait()
+    open(f"{ready}gone", "w").close()
+    outs = [p.communicate(timeout=120)[0] for p in ranks]
+    for r, out in enumerate(outs):
+        assert f"rank {r} cannot reach the process group's store" in out, out
+        assert "within" not in out and "timeout" not in out.lower(), out
