@@ -24,6 +24,14 @@ identical on every rank). Its cost (three store round trips per call; BENCHMARKS
 once per ``apply`` (one per step) or per ``unshard`` / ``reduce`` call. Under
 ``torch.compile`` it runs while tracing only.
 
+[Note: one sequence per set of ranks]
+Exchanges are numbered per default process group and set of ranks, not per group object: a
+mesh's group over all ranks and the default group share one sequence, so that the per-call
+checks and the debug mode's per-collective checks (``_debug``) of one rank always meet the other
+ranks' exchange of the same number, whatever group each was made for. A rank that is one
+exchange ahead then sees the other's kind of exchange and both raise. Each rank deletes its key
+of the previous exchange once the next one completed (everyone has read it by then).
+
 [Note: waiting for a rank that is gone]
 The wait polls the store (with a short back-off: no busy loop, no c10d timeout warnings) and,
 every quarter second, checks that the ranks it still waits for are alive: each rank published
@@ -56,9 +64,10 @@ from ._spec import ShardSpec
 Leaf = tuple[str, ShardSpec, torch.dtype, bool]
 _DIGESTS: collections.OrderedDict[tuple, int] = collections.OrderedDict()
 _REMEMBERED = 1024  # structures whose hash is cached, per process
-_SEQUENCE: dict[tuple[int, ...], itertools.count] = {}  # per set of ranks
-_LAST: dict[tuple[int, ...], str] = {}  # this rank's key of its last exchange, per set of ranks
-_PUBLISHED: set[object] = set()  # whether this process published its host and pid
+# per (default group, set of ranks): see [Note: one sequence per set of ranks]
+_SEQUENCE: dict[tuple, itertools.count] = {}
+_LAST: dict[tuple, str] = {}  # this rank's key of its last exchange
+_PUBLISHED: set[object] = set()  # default groups to which this process published host and pid
 _GROUP_RANKS: dict[dist.ProcessGroup, tuple[int, ...]] = {}
 _ERROR, _GONE, _COLLECTIVE = b"E", b"G", b"C"
 
@@ -193,19 +202,20 @@ def _exchange(what: str, value: bytes, group: dist.ProcessGroup | None = None) -
     store = dist.distributed_c10d._get_default_store()
     ranks = _ranks(group or dist.group.WORLD)
     rank = dist.get_rank()
-    seq = next(_SEQUENCE.setdefault(ranks, itertools.count()))
+    stream = (dist.group.WORLD, ranks)  # a new default group (re-initialised) starts afresh
+    seq = next(_SEQUENCE.setdefault(stream, itertools.count()))
     name = "" if len(ranks) == dist.get_world_size() else "-".join(map(str, ranks))
     prefix = f"funcshard/agree/{name}/{seq}/{what}/"
     keys = [f"{prefix}{r}" for r in ranks]
     try:
-        if None not in _PUBLISHED:
+        if dist.group.WORLD not in _PUBLISHED:
             store.set(f"funcshard/alive/{rank}", f"{socket.gethostname()} {os.getpid()}")
-            _PUBLISHED.add(None)
+            _PUBLISHED.add(dist.group.WORLD)
         store.set(keys[ranks.index(rank)], value)
         _wait(store, keys, ranks)
         values = store.multi_get(keys)
         # everyone has read the previous exchange: drop this rank's key of it
-        previous, _LAST[ranks] = _LAST.get(ranks), keys[ranks.index(rank)]
+        previous, _LAST[stream] = _LAST.get(stream), keys[ranks.index(rank)]
         if previous is not None:
             store.delete_key(previous)
     except dist.DistNetworkError as e:
