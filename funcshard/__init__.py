@@ -4,6 +4,7 @@ from . import checkpoint, optim, policy, testing
 from ._autodiff import grad, per_sample_grad, value_and_grad
 from ._bucketing import merge_groups
 from ._construction import Construction, on_meta
+from ._debug import checking_collectives
 from ._extract import extract, functional_call
 from ._grouping import group
 from ._materialize import materialize
@@ -19,6 +20,7 @@ __all__ = [
     "Plan",
     "ShardSpec",
     "Step",
+    "checking_collectives",
     "checkpoint",
     "extract",
     "from_local",

@@ -50,6 +50,7 @@ def value_and_grad(
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
+        _check_argnums(fn, nums, len(args))
         args = list(args)
         rebuild, inputs, inputs_leaves = [], [], []
         direct: dict[int, tuple[DTensor, torch.Tensor]] = {}
@@ -66,18 +67,24 @@ def value_and_grad(
             inputs.extend(_tensor(x) if w else None for x, w in zip(fresh, wanted, strict=True))
             inputs_leaves.extend(fresh)
         collect = _sink.collecting() if not sync_grads else nullcontext()
+        outer = bool(_spec.DIRECT)  # see [Note: a value that does not depend on the inputs]
         _spec.DIRECT.append(direct)
         try:
             with torch.enable_grad(), collect as sink:
                 out = fn(*args, **kwargs)
                 value, aux = out if has_aux else (out, None)
                 _check_value(fn, value, has_aux)
+                if outer:
+                    _NESTED.add(id(_spec.DIRECT[-2]))
+                elif not value.requires_grad and id(direct) in _NESTED:
+                    raise _nested_error(fn)
                 if sink is None:
                     grads = _grads(value, inputs, inputs_leaves, direct)
                 else:
                     grads = _unreduced(value, sink, inputs, inputs_leaves)
         finally:
             _spec.DIRECT.pop()
+            _NESTED.discard(id(direct))
         trees = [unflatten(spec, grads[start : start + n]) for spec, n, start in rebuild]
         result = trees[0] if isinstance(argnums, int) else tuple(trees)
         value = value.detach()
@@ -104,6 +111,35 @@ def grad(
     return wrapped
 
 
+# [Note: a value that does not depend on the inputs]
+# A value with no autograd history (``torch.tensor(1.0)``, or a loss that does not use the
+# parameters) gets zero gradients, as documented and as ``jax.grad`` gives (``autograd.grad``
+# would raise "element 0 of tensors does not require grad"). One exception: a value computed by a
+# nested ``fs.value_and_grad``, whose value is detached (it is a value, not a graph): the
+# gradients the outer call asks for would silently be zeros, so that raises. ``_NESTED`` holds
+# the outer calls (by the id of their entry on ``_spec.DIRECT``) inside which an inner one ran.
+_NESTED: set[int] = set()
+
+
+def _nested_error(fn) -> TypeError:
+    return TypeError(
+        f"value_and_grad: {getattr(fn, '__name__', 'fn')} calls fs.value_and_grad (or fs.grad) "
+        "inside another fs.value_and_grad, and its value depends on the inner one's value, which "
+        "is detached: the outer gradients would be zeros. Differentiate once (return what you "
+        "need as aux with has_aux=True), or use torch.func.grad for higher-order derivatives."
+    )
+
+
+def _check_argnums(fn, nums: tuple, given: int) -> None:
+    bad = [n for n in nums if not isinstance(n, int) or not -given <= n < given]
+    if bad:
+        raise ValueError(
+            f"value_and_grad: argnums {bad} out of range: {getattr(fn, '__name__', 'fn')} was "
+            f"called with {given} positional argument(s); argnums index the positional "
+            "arguments (keyword arguments are never differentiated)."
+        )
+
+
 def _check_value(fn, value, has_aux: bool) -> None:
     if not (isinstance(value, torch.Tensor) and value.numel() == 1):
         got = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
@@ -120,7 +156,7 @@ def _unreduced(value, sink: _sink.GradSink, inputs, leaves) -> list[torch.Tensor
     plain = [t for t, s in zip(inputs, shard, strict=True) if t is not None and not s]
     targets = [t for _, t in sink.targets]
     wanted = plain + targets
-    grads = torch.autograd.grad(value, wanted, allow_unused=True) if wanted else ()
+    grads = _autograd(value, wanted)
     full: dict[int, torch.Tensor] = {}
     for (leaf, t), g in zip(sink.targets, grads[len(plain) :], strict=True):
         g = torch.zeros_like(t) if g is None else g
@@ -199,7 +235,7 @@ def _grads(value, inputs, leaves, direct) -> list[Any]:
         for t, x in zip(inputs, leaves, strict=True)
         if t is not None
     ]
-    found = torch.autograd.grad(value, wanted + extra, allow_unused=True) if wanted else ()
+    found = _autograd(value, wanted + extra)
     found, also = iter(found[: len(wanted)]), iter(found[len(wanted) :])
     out = []
     for t, x in zip(inputs, leaves, strict=True):
@@ -218,6 +254,16 @@ def _grads(value, inputs, leaves, direct) -> list[Any]:
             continue
         out.append(_like(torch.zeros_like(t) if g is None else g, x))
     return out
+
+
+def _autograd(value: torch.Tensor, wanted: list) -> tuple:
+    """``autograd.grad`` with ``None`` for unused inputs; all ``None`` for a value without
+    history (see [Note: a value that does not depend on the inputs])."""
+    if not wanted:
+        return ()
+    if not value.requires_grad:
+        return (None,) * len(wanted)
+    return torch.autograd.grad(value, wanted, allow_unused=True)
 
 
 def _tensor(x) -> torch.Tensor:

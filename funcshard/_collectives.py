@@ -69,6 +69,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from . import _debug
 from ._compat import all_gather_single
 from ._compile import compiling, issued, waits_for
 from ._profiling import span
@@ -212,6 +213,7 @@ def _all_gather(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     x = wait(x).to(comm.gather_dtype or x.dtype)
     if comm.world == 1:  # see [Note: one rank communicates nothing]
         return x
+    _debug.check("all_gather", comm.group, comm.label, x)  # see [Note: checked collectives]
     with span("all_gather", comm.label):
         y = _issued(_ops.all_gather_into_tensor(x.contiguous(), comm.world, comm.group.group_name))
     if comm.dim == 0:
@@ -227,6 +229,7 @@ def _reduce_scatter(x, comm: Comm, out_dtype: torch.dtype, donated: bool) -> tor
     d, w = comm.dim, comm.world
     if d != 0:  # [A, W*c, B] -> [W*A, c, B]: rank r's chunk is contiguous, returns as [A, c, B]
         x = x.unflatten(d, (w, x.shape[d] // w)).movedim(d, 0).flatten(0, 1).contiguous()
+    _debug.check("reduce_scatter", comm.group, comm.label, x)
     with span("reduce_scatter", comm.label):
         y = _issued(_ops.reduce_scatter_tensor(x, "sum", w, comm.group.group_name))
     if d == 0 and comm.async_op and y.dtype == out_dtype:
@@ -263,6 +266,7 @@ def _all_reduce(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     y, _ = _reduce_input(x, comm, False)
     if comm.world == 1:  # see [Note: one rank communicates nothing]
         return y.to(x.dtype)
+    _debug.check("all_reduce", comm.group, comm.label, y)
     with span("all_reduce", comm.label):
         y = _issued(_ops.all_reduce(y, "sum", comm.group.group_name))
     if comm.async_op and y.dtype == x.dtype and y.numel():
@@ -313,6 +317,7 @@ def start_all_gather(comm: Comm, pieces) -> Started:
         torch._foreach_copy_(list(slot.split(numels)), [p.detach().reshape(-1) for p in pieces])
     if comm.world == 1:  # see [Note: one rank communicates nothing]
         return Started(output, None)
+    _debug.check("all_gather", comm.group, comm.label, slot)
     with span("all_gather", comm.label):
         work = all_gather_single(output, slot, group=comm.group, async_op=True)
     return Started(output, work)

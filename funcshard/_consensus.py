@@ -1,32 +1,59 @@
-"""Ranks that disagree about a tree: an error on every rank, before the first collective.
+"""Ranks that disagree, or fail alone: an error on every rank, before the first collective.
 
-[Note: one fingerprint per new structure]
+[Note: one status per call]
 Collectives are matched by their order alone. If ranks pass trees that differ in keys, shapes,
 dtypes, placements or options, their collectives differ in size or meaning: gloo aborts the
 process ("Received data size doesn't match"), or -- worse -- sizes happen to agree and the
-result is garbage. So before the first collective of a structure it has not seen, each rank
-publishes a 64-bit hash of its structure and reads everyone's. On a match the structure is
-remembered and later calls with it pay one set lookup. On a mismatch every rank has read every
-hash, so every rank takes the error path together: it publishes its description, reads the
-others', and raises the same error naming the first differing leaf.
+result is garbage. And if one rank raises before its collectives (a missing key, a shard on
+meta) while the others go on, a program that catches the error pairs that rank's next call with
+the others' current one. So every call of ``unshard``, ``reduce`` and a scheduled ``apply``
+publishes one status before its first collective -- a 64-bit hash of its structure, or its
+error -- and reads everyone's:
+
+- all equal: the call goes on (the hash of a structure seen before is cached: the cost is the
+  exchange alone);
+- some rank failed: every rank raises, the failing one its own error, the others the same type
+  naming that rank and its message; no rank has issued a collective, so a caught error leaves
+  the ranks in step;
+- hashes differ: every rank publishes its description, reads the others', and raises the same
+  ``ValueError`` naming the first differing leaf.
 
 The exchange goes through the process group's key-value store, not a collective: it adds
 nothing to the sequence of collectives (whose counts FSDP2 users compare, and which must stay
-identical on every rank), and a rank that never arrives makes the others fail after the store's
-timeout with an error that says so, rather than poisoning a collective.
+identical on every rank). Its cost (three store round trips per call; BENCHMARKS.md) is paid
+once per ``apply`` (one per step) or per ``unshard`` / ``reduce`` call. Under
+``torch.compile`` it runs while tracing only.
 
-What this cannot see: a rank whose structure is already remembered while another rank's is new
-(the first skips the check and goes on to its collectives). Ranks that *change* their trees
-differently in the middle of a run are caught only by the store or process-group timeout; see
-docs/failures.md.
+[Note: one sequence per set of ranks]
+Exchanges are numbered per default process group and set of ranks, not per group object: a
+mesh's group over all ranks and the default group share one sequence, so that the per-call
+checks and the debug mode's per-collective checks (``_debug``) of one rank always meet the other
+ranks' exchange of the same number, whatever group each was made for. A rank that is one
+exchange ahead then sees the other's kind of exchange and both raise. Each rank deletes its key
+of the previous exchange once the next one completed (everyone has read it by then).
+
+[Note: waiting for a rank that is gone]
+The wait polls the store (with a short back-off: no busy loop, no c10d timeout warnings) and,
+every quarter second, checks that the ranks it still waits for are alive: each rank published
+its host and pid at its first exchange, and a peer on this host whose process is gone (or a
+zombie) is named at once, instead of after the store's timeout (30 minutes by default). Ranks
+on other hosts are covered by the timeout only. A store that cannot be reached (its host,
+usually rank 0's, died) is reported as such, not as a timeout.
 """
 
 from __future__ import annotations
 
+import builtins
+import collections
+import contextlib
+import datetime
 import hashlib
 import itertools
+import os
 import pickle
-from collections.abc import Sequence
+import socket
+import time
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,34 +63,79 @@ from ._compile import untraced
 from ._spec import ShardSpec
 
 Leaf = tuple[str, ShardSpec, torch.dtype, bool]
-_AGREED: set[tuple] = set()
-_REMEMBERED = 1024  # structures remembered per process
-_SEQUENCE: dict[object, itertools.count] = {}
+_DIGESTS: collections.OrderedDict[tuple, int] = collections.OrderedDict()
+_REMEMBERED = 1024  # structures whose hash is cached, per process
+# per (default group, set of ranks): see [Note: one sequence per set of ranks]
+_SEQUENCE: dict[tuple, itertools.count] = {}
+_LAST: dict[tuple, str] = {}  # this rank's key of its last exchange
+_PUBLISHED: set[object] = set()  # default groups to which this process published host and pid
+_GROUP_RANKS: dict[dist.ProcessGroup, tuple[int, ...]] = {}
+_ERROR, _GONE, _COLLECTIVE = b"E", b"G", b"C"
 
 
-def agree(fn: str, leaves: Sequence[Leaf], options: tuple = ()) -> None:
-    """Check that every rank passes the same structure to ``fn``; remember it if so.
+def agree(
+    fn: str,
+    leaves: Sequence[Leaf],
+    options: tuple = (),
+    error: Exception | None = None,
+    digest: int | None = None,
+) -> None:
+    """Check that every rank passes the same structure to ``fn`` and that none failed.
 
-    ``leaves``: ``(path, spec, dtype, differentiated)`` per leaf; ``options``: hashable
-    ``(name, value)`` pairs that must agree too (dtypes of the communication, a plan).
+    Every rank calls it once per call of ``fn``, before ``fn``'s first collective; a rank whose
+    local checks failed takes part with its ``error`` (see :func:`failing`). ``leaves``:
+    ``(path, spec, dtype, differentiated)`` per leaf; ``options``: hashable ``(name, value)``
+    pairs that must agree too (dtypes of the communication, a plan); ``digest``: their
+    :func:`digest`, if the caller keeps it.
 
     Raises:
         ValueError: on every rank, naming the first leaf (or option) that differs and how.
+        ``error`` (on this rank), or the same type naming the rank that failed (on the others).
+        RuntimeError: a rank is gone, or the store cannot be reached.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
         return
-    key = (dist.group.WORLD, fn, tuple(leaves), options)
-    if key in _AGREED:
-        return
+    try:
+        _agree(fn, leaves, options, error, digest)
+    except Exception as e:
+        e._funcshard_agreed = True  # type: ignore[attr-defined]  # see failing
+        raise
+
+
+def _agree(fn, leaves, options, error, digest) -> None:
     with untraced():  # under torch.compile: checked at trace time, never part of the graph
-        entries = _describe(leaves, options)
-    if _same_everywhere(_digest(entries)):
-        if len(_AGREED) >= _REMEMBERED:  # a run that keeps making new trees: start over
-            _AGREED.clear()
-        _AGREED.add(key)
-        return
-    everyone = [pickle.loads(b) for b in _exchange("entries", pickle.dumps(entries))]
-    raise ValueError(_message(fn, everyone))
+        if error is not None:
+            status = _ERROR + pickle.dumps((type(error).__name__, str(error)))
+        else:
+            status = str(cached_digest(fn, leaves, options) if digest is None else digest)
+            status = status.encode()
+        everyone = _exchange("status", status)
+    failed = [(r, s) for r, s in enumerate(everyone) if s[:1] in (_ERROR, _GONE, _COLLECTIVE)]
+    if failed:
+        if error is not None:
+            raise error
+        raise _failure(fn, *failed[0])
+    if any(s != everyone[0] for s in everyone):
+        with untraced():
+            entries = _describe(leaves, options)
+            described = _exchange("entries", pickle.dumps(entries))
+        raise ValueError(_message(fn, [pickle.loads(b) for b in described]))
+
+
+@contextlib.contextmanager
+def failing(fn: str) -> Iterator[None]:
+    """Around a call's local checks and its :func:`agree`: an exception raised inside (before
+    the exchange) is first announced to the other ranks through :func:`agree`, then raised, so
+    that it takes part in the same exchange as their statuses. Keep the call's collectives
+    outside the block."""
+    try:
+        yield
+    except Exception as e:
+        if not getattr(e, "_funcshard_agreed", False):
+            agree(fn, (), (), error=e)  # raises e
+        raise
 
 
 def each_rank(what: str, value: str) -> list[str]:
@@ -78,6 +150,19 @@ def leaf(path: str, spec: ShardSpec, local: torch.Tensor) -> Leaf:
     """The entry of a shard whose gradient flows back through the collectives if it requires
     grad (see [Note: frozen leaves] in ``_autodiff``)."""
     return (path, spec, local.dtype, local.requires_grad)
+
+
+def cached_digest(fn: str, leaves: Sequence[Leaf], options: tuple) -> int:
+    """The hash of a structure as :func:`agree` compares it (cached per structure)."""
+    key = (dist.group.WORLD, fn, tuple(leaves), options)
+    found = _DIGESTS.get(key)
+    if found is None:
+        with untraced():  # under torch.compile: real metadata (the mesh's ranks), not traced
+            found = _digest(_describe(leaves, options))
+        while len(_DIGESTS) >= _REMEMBERED:
+            _DIGESTS.popitem(last=False)
+        _DIGESTS[key] = found
+    return found
 
 
 def _describe(leaves, options) -> list[tuple[str, str]]:
@@ -96,29 +181,135 @@ def _digest(entries) -> int:
     return int.from_bytes(h, "little", signed=True)
 
 
-def _same_everywhere(digest: int) -> bool:
-    digests = _exchange("digest", str(digest).encode())
-    return all(d == digests[0] for d in digests)
+def _failure(fn: str, rank: int, status: bytes) -> Exception:
+    if status[:1] == _COLLECTIVE:
+        return RuntimeError(
+            f"{fn}: rank {rank} is one collective behind or ahead (it is about to issue "
+            f"{status[1:].decode(errors='replace')}) while this rank checks the tree of a new "
+            "call: the ranks' forwards took different paths (FUNCSHARD_DEBUG found it; see "
+            "docs/failures.md, control flow that differs between ranks)."
+        )
+    if status[:1] == _GONE:
+        return RuntimeError(
+            f"{fn}: rank {rank} is gone ({status[1:].decode()}): it died before taking part in "
+            "this call's check, so no collective was issued. Restart the job (from the last "
+            "checkpoint)."
+        )
+    kind, message = pickle.loads(status[1:])
+    cls = getattr(builtins, kind, None)
+    cls = cls if isinstance(cls, type) and issubclass(cls, Exception) else RuntimeError
+    return cls(
+        f"{fn}: rank {rank} raised {kind}: {message} (raised on every rank, before any "
+        "collective of this call, so that the ranks stay in step)"
+    )
 
 
-def _exchange(what: str, value: bytes) -> list[bytes]:
-    """Publish ``value`` and return every rank's, in rank order (through the default store)."""
+def _exchange(what: str, value: bytes, group: dist.ProcessGroup | None = None) -> list[bytes]:
+    """Publish ``value`` and return every rank's of ``group`` (default: all), in group rank
+    order, through the default store. Groups of the same ranks share one sequence of exchanges
+    (see [Note: one sequence per set of ranks])."""
     store = dist.distributed_c10d._get_default_store()
-    group = dist.group.WORLD
-    seq = _SEQUENCE.setdefault(group, itertools.count())
-    prefix = f"funcshard/agree/{next(seq)}/{what}/"
-    keys = [f"{prefix}{r}" for r in range(dist.get_world_size())]
-    store.set(keys[dist.get_rank()], value)
+    ranks = _ranks(group or dist.group.WORLD)
+    rank = dist.get_rank()
+    stream = (dist.group.WORLD, ranks)  # a new default group (re-initialised) starts afresh
+    seq = next(_SEQUENCE.setdefault(stream, itertools.count()))
+    name = "" if len(ranks) == dist.get_world_size() else "-".join(map(str, ranks))
+    prefix = f"funcshard/agree/{name}/{seq}/{what}/"
+    keys = [f"{prefix}{r}" for r in ranks]
     try:
-        store.wait(keys, store.timeout)
-    except (RuntimeError, dist.DistStoreError) as e:
+        if dist.group.WORLD not in _PUBLISHED:
+            store.set(f"funcshard/alive/{rank}", f"{socket.gethostname()} {os.getpid()}")
+            _PUBLISHED.add(dist.group.WORLD)
+        store.set(keys[ranks.index(rank)], value)
+        _wait(store, keys, ranks)
+        values = store.multi_get(keys)
+        # everyone has read the previous exchange: drop this rank's key of it
+        previous, _LAST[stream] = _LAST.get(stream), keys[ranks.index(rank)]
+        if previous is not None:
+            store.delete_key(previous)
+    except dist.DistNetworkError as e:
         raise RuntimeError(
-            f"funcshard: rank {dist.get_rank()} checked that every rank passes the same tree, but "
-            f"not every rank took part within {store.timeout} ({e}). A rank is stuck or dead, or "
-            "the ranks changed their trees differently in the middle of the run (see "
-            "docs/failures.md)."
+            f"funcshard: rank {rank} cannot reach the process group's store ({e}): the process "
+            "that hosts it (rank 0, or the launcher's store) or its host is gone. Restart the "
+            "job."
         ) from e
-    return store.multi_get(keys)
+    return values
+
+
+def exchange_collective(group: dist.ProcessGroup, description: str) -> list[str]:
+    """Every rank's description of its next collective on ``group`` (see [Note: checked
+    collectives] in ``_debug``); a rank that is at a per-call check instead shows as such."""
+    with untraced():
+        values = _exchange("collective", _COLLECTIVE + description.encode(), group)
+    out = []
+    for v in values:
+        if v[:1] == _COLLECTIVE:
+            out.append(v[1:].decode(errors="replace"))
+        elif v[:1] == _GONE:
+            out.append(f"gone ({v[1:].decode(errors='replace')})")
+        else:
+            out.append("at the per-call check of a funcshard call, not at a collective")
+    return out
+
+
+def _ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
+    found = _GROUP_RANKS.get(group)
+    if found is None:
+        found = _GROUP_RANKS[group] = tuple(dist.get_process_group_ranks(group))
+    return found
+
+
+def _wait(store: dist.Store, keys: list[str], ranks: tuple[int, ...]) -> None:
+    """Until every key is set; see [Note: waiting for a rank that is gone]."""
+    timeout = store.timeout.total_seconds()
+    start = checked = time.monotonic()
+    pause, polls = 5e-5, 0
+    while not store.check(keys):
+        polls += 1
+        if polls < 20:  # a store round trip each: peers a little late cost no sleep
+            continue
+        now = time.monotonic()
+        if now - start > timeout:
+            missing = [r for r, k in zip(ranks, keys, strict=True) if not store.check([k])]
+            raise RuntimeError(
+                f"funcshard: rank {dist.get_rank()} checked that every rank passes the same "
+                f"tree, but ranks {missing} did not take part within "
+                f"{datetime.timedelta(seconds=timeout)}. They are stuck (in other work, or a "
+                "collective the others never joined), or the ranks changed their trees "
+                "differently in the middle of the run (see docs/failures.md)."
+            )
+        if now - checked > 0.25:
+            checked = now
+            for r, k in zip(ranks, keys, strict=True):
+                gone = not store.check([k]) and _gone(store, r)
+                if gone:
+                    store.set(k, _GONE + gone.encode())  # stands in for it: every rank sees it
+        time.sleep(pause)
+        pause = min(pause * 2, 0.005)
+
+
+def _gone(store: dist.Store, rank: int) -> str | None:
+    """How ``rank`` is known to be dead (its process on this host is gone), else ``None``."""
+    key = f"funcshard/alive/{rank}"
+    if not store.check([key]):
+        return None
+    host, pid = store.get(key).decode().rsplit(" ", 1)
+    if host != socket.gethostname():
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return f"its process {pid} on {host} has exited"
+    except OSError:  # no /proc: ask the OS
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return f"its process {pid} on {host} has exited"
+        except OSError:
+            pass
+        return None
+    return f"its process {pid} on {host} is a zombie" if state in ("Z", "X") else None
 
 
 def _message(fn: str, everyone: list[list[tuple[str, str]]]) -> str:

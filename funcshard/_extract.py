@@ -16,6 +16,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import optree
 import torch
 import torch.func
 from torch import nn
@@ -130,7 +131,10 @@ def functional_call(
     one name per (module, attribute) slot, with its own tie handling off.
 
     Raises:
-        ValueError: different values for tied names; a name given in two dicts.
+        ValueError: different values for tied names; a name given in two dicts; a tensor whose
+            shape differs from the module's own (on meta too); float64 parameters mixed with
+            lower-precision ones; a parameter or buffer left on the meta device (not given)
+            in a call on real tensors. See [Note: what functional_call checks].
         RuntimeError: ``strict=True`` and names are missing or unexpected (torch's message);
             the module uses one of its own tensors that is on meta and not given, while the
             inputs are not on meta (see [Note: a tensor left on meta is never computed with]).
@@ -161,6 +165,7 @@ def slots(module, parameter_and_buffer_dicts, tie_weights: bool, strict: bool) -
         given.update(_fill_ties(aliases(module), given))
     if strict:
         _check_strict(module, given)
+    _check_given(module, given)
     return _one_per_slot(module, given)
 
 
@@ -170,10 +175,17 @@ def call(module: nn.Module, named: dict[str, Any], args, kwargs, rebind=None) ->
     would read from itself on meta is refused where used (see ``_meta``)."""
     named = guard_meta(module, named, args, kwargs)
     args = () if args is None else args
-    if rebind is None:
-        return torch.func.functional_call(module, named, args, kwargs, tie_weights=False)
-    with binding_regions(rebind):
-        return torch.func.functional_call(module, named, args, kwargs, tie_weights=False)
+    try:
+        if rebind is None:
+            return torch.func.functional_call(module, named, args, kwargs, tie_weights=False)
+        with binding_regions(rebind):
+            return torch.func.functional_call(module, named, args, kwargs, tie_weights=False)
+    except RuntimeError as e:  # name a dtype mismatch of the inputs, if that is what it was
+        floating = {v.dtype for v in named.values() if isinstance(v, torch.Tensor)}
+        hint = input_dtype_hint(args, kwargs, {d for d in floating if d.is_floating_point})
+        if hint:
+            raise RuntimeError(f"functional_call: the forward failed ({e}).{hint}") from e
+        raise
 
 
 def eager_grad() -> bool:
@@ -218,3 +230,90 @@ def _one_per_slot(module: nn.Module, named: Mapping[str, Any]) -> dict[str, Any]
             seen.add((id(owner), attr))
             out[name] = value
     return out
+
+
+def _check_given(module: nn.Module, given: Mapping[str, Any]) -> None:
+    """[Note: what functional_call checks]
+    The module (on meta too) knows every parameter's and buffer's global shape, so a value of
+    another shape -- a tree extracted from another configuration, a shard passed where the
+    full tensor belongs -- is named here, before the forward fails inside some matmul
+    (``mat1 and mat2 shapes cannot be multiplied``). Three more mistakes would only fail deep
+    inside the forward, or not at all: float64 parameters mixed with float32/bf16 ones (a model
+    partly converted with ``.double()``); a module left on meta whose buffers (BatchNorm's
+    running statistics) were not passed (``Tensor on device meta is not on the expected
+    device``); BatchNorm running statistics in bf16/fp16 while training (each update
+    ``(1 - momentum) * mean + momentum * batch_mean`` rounds away). Cost: one pass over the
+    module's named tensors and modules per call (no communication); under ``torch.compile``,
+    at trace time only.
+    """
+    real, left_on_meta = False, None
+    dtypes: dict[torch.dtype, str] = {}
+    params = dict(module.named_parameters(remove_duplicate=False))
+    named = list(_named_tensors(module))
+    covered = {id(own) for name, own in named if name in given}  # shared slots: one name given
+    for name, own in named:
+        value = given.get(name)
+        if not isinstance(value, torch.Tensor):
+            if own.is_meta and id(own) not in covered and left_on_meta is None:
+                left_on_meta = name
+            continue
+        real = real or value.device.type != "meta"
+        if value.shape != own.shape:
+            owner = type(module.get_submodule(name.rpartition(".")[0])).__name__
+            raise ValueError(
+                f"functional_call: {name!r} has shape {list(value.shape)}, but the module's "
+                f"{'parameter' if name in params else 'buffer'} {name!r} ({owner}) has "
+                f"{list(own.shape)}. Pass the full tensors of this configuration (fs.unshard "
+                "the shards of fs.extract(module) for this very module)."
+            )
+        if name in params and value.is_floating_point():
+            dtypes.setdefault(value.dtype, name)
+    if real and left_on_meta is not None:
+        raise ValueError(
+            f"functional_call: {left_on_meta!r} is on the meta device and no value was given for "
+            "it. Pass the buffers too (BatchNorm's running statistics, ...): "
+            "fs.functional_call(module, (params, buffers), args) with buffers from "
+            "fs.extract(module) (or fs.materialize)."
+        )
+    if torch.float64 in dtypes and len(dtypes) > 1:
+        wide = dtypes.pop(torch.float64)
+        other, narrow = next(iter(dtypes.items()))
+        raise ValueError(
+            f"functional_call: parameters of different precision: {wide!r} is float64, "
+            f"{narrow!r} is {str(other).removeprefix('torch.')}. Convert the model to one dtype "
+            "before extracting it (model.to(torch.float32)), or compute in one dtype with "
+            "param_dtype=."
+        )
+    _check_batchnorm(module, given)
+
+
+def _check_batchnorm(module: nn.Module, given: Mapping[str, Any]) -> None:
+    for prefix, m in module.named_modules():
+        if not (isinstance(m, nn.modules.batchnorm._NormBase) and m.training):
+            continue
+        stats = given.get(f"{prefix}.running_mean" if prefix else "running_mean")
+        if isinstance(stats, torch.Tensor) and stats.dtype in (torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"functional_call: {prefix!r} ({type(m).__name__}) is training with its running "
+                f"statistics in {str(stats.dtype).removeprefix('torch.')}: each update rounds "
+                "away. Keep the buffers in float32 (cast only the parameters: param_dtype=), "
+                "or call module.eval() if the statistics are not updated."
+            )
+
+
+def input_dtype_hint(args: Any, kwargs: Any, dtypes: set) -> str:
+    """A hint for a forward that failed: a floating-point input of another dtype than the
+    (single) compute dtype of the parameters, e.g. fp32 inputs with ``param_dtype=bf16``."""
+    if len(dtypes) != 1:
+        return ""
+    (dtype,) = dtypes
+    leaves = optree.tree_leaves((args, kwargs), none_is_leaf=False)
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return (
+                f" The parameters are {str(dtype).removeprefix('torch.')} but input {i} (in "
+                f"the order of (args, kwargs)) is {str(x.dtype).removeprefix('torch.')}: cast "
+                f"the inputs (x.to({dtype})), as FSDP2's MixedPrecisionPolicy("
+                "cast_forward_inputs=True) does."
+            )
+    return ""

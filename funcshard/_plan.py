@@ -152,9 +152,12 @@ class Plan:
 
         Raises:
             ValueError: the saved steps are not the ones its fields produce (steps are derived:
-                edit ``order`` / ``prefetch`` / ``groups`` instead).
+                edit ``order`` / ``prefetch`` / ``groups`` instead); a field is missing.
         """
         d = json.loads(text)
+        _fields(
+            d, "the plan", ("groups", "order", "backward_order", "prefetch", "backward_prefetch")
+        )
         plan = Plan(
             groups=tuple(_group_from_json(g) for g in d["groups"]),
             order=tuple(d["order"]),
@@ -348,7 +351,21 @@ def _group_json(g: Group) -> dict[str, Any]:
     return d
 
 
+def _fields(d: Any, what: str, names: tuple[str, ...]) -> None:
+    missing = [n for n in names if not isinstance(d, dict) or n not in d]
+    if missing:
+        raise ValueError(
+            f"Plan.from_json: {what} lacks the field(s) {missing}; pass the text that "
+            "Plan.to_json wrote (unedited fields included)."
+        )
+
+
 def _group_from_json(d: dict[str, Any]) -> Group:
+    _fields(
+        d,
+        f"group {d.get('name') if isinstance(d, dict) else d!r}",
+        ("name", "params", "reshard_after_forward"),
+    )
     dtype = lambda name: None if name is None else getattr(torch, name)
     return Group(
         d["name"],

@@ -76,7 +76,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _compile, _flat, _parallel, _recompute, _sink
 from ._collectives import Notify, async_allowed
-from ._consensus import agree, leaf
+from ._consensus import agree, cached_digest, failing, leaf
 from ._deferred import Deferred
 from ._extract import aliases, call, check_not_wrapped, eager_grad, slots
 from ._plan import Plan, Step
@@ -125,18 +125,40 @@ def schedule(
 
     @_compile.traced  # see [Note: funcshard under torch.compile]
     def apply(sharded: Mapping[str, Any], *args: Any, buffers=None, **kwargs: Any) -> Any:
-        params = _check_tree(sharded, group_of, unplanned)
-        run = _Run(plan, sharded, _flat.Options("", param_dtype, reduce_dtype, mean))
-        deferred = {fqn: Deferred(fqn, *run.metadata(fqn), run) for fqn in group_of}
-        check_not_wrapped(module, "functional_call")
-        named = slots(module, ({**params, **deferred}, buffers or {}), True, False)
+        with failing("schedule"):  # see [Note: one status per call] in _consensus
+            params = _check_tree(sharded, group_of, unplanned)
+            run = _Run(plan, sharded, _flat.Options("", param_dtype, reduce_dtype, mean))
+            deferred = {fqn: Deferred(fqn, *run.metadata(fqn), run) for fqn in group_of}
+            check_not_wrapped(module, "functional_call")
+            named = slots(module, ({**params, **deferred}, buffers or {}), True, False)
         run.bind_regions(module, named)
-        with run.saved_tensor_hooks(), _recompute.recomputing(recomputed):
+        with run.saved_tensor_hooks(), _recompute.recomputing(recomputed), _naming_freed(run):
             out = call(module, named, args, kwargs)
         run.end_forward()
         return out
 
     return apply
+
+
+@contextlib.contextmanager
+def _naming_freed(run: _Run):
+    """Name the freed groups when the forward reads freed storage: a tensor computed from a
+    parameter (``w = self.a.weight.t()``) kept past its group's free (see docs/failures.md)."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "data is not allocated yet" not in str(e):
+            raise
+        freed = {n for n, g in run.groups.items() if g.raw is not None and not g.resident}
+        params = {g.name: list(g.params) for g in run.plan.groups if g.name in freed}
+        raise RuntimeError(
+            "schedule: the forward read a tensor whose storage the plan had freed: a tensor "
+            f"computed from a parameter of the freed group(s) {params} (e.g. "
+            "`w = self.a.weight.t()` kept and used after that group's last planned use) was "
+            "used after the free. Use parameters inside the forward of the module that owns "
+            "them, put the modules that share such a tensor in one group, or set "
+            "reshard_after_forward=False for that group."
+        ) from e
 
 
 def _check_tree(sharded, group_of, unplanned) -> dict[str, Any]:
@@ -177,6 +199,7 @@ class _Static:
 
     layouts: tuple[_flat.Layout, ...]
     options: dict[str, _flat.Options]
+    agreement: tuple  # agree's arguments, and the digest (checked at every call)
 
 
 _STATIC: collections.OrderedDict[tuple, _Static] = collections.OrderedDict()
@@ -210,16 +233,16 @@ def _static(plan: Plan, names, locals_, specs, opts: _flat.Options) -> _Static:
         found = _STATIC.get(key)
         if found is not None:
             _STATIC.move_to_end(key)
+            agree("schedule", *found.agreement)
             return found
     layouts = tuple(
         _flat.Layout.of(p, spec, t) for p, spec, t in zip(names, specs, locals_, strict=True)
     )
     check_materialized(names, locals_, "schedule")
-    agree(
-        "schedule",
-        [leaf(p, spec, t) for p, spec, t in zip(names, specs, locals_, strict=True)],
-        (*opts.key(), ("plan", plan)),
-    )
+    entries = [leaf(p, spec, t) for p, spec, t in zip(names, specs, locals_, strict=True)]
+    agreement = (entries, (*opts.key(), ("plan", plan)))
+    agreement = (*agreement, None, cached_digest("schedule", *agreement))
+    agree("schedule", *agreement)
     options = {
         g.name: _flat.Options(
             g.name,
@@ -229,7 +252,7 @@ def _static(plan: Plan, names, locals_, specs, opts: _flat.Options) -> _Static:
         )
         for g in plan.groups
     }
-    static = _Static(layouts, options)
+    static = _Static(layouts, options, agreement)
     if key is not None:
         while _STATIC and len(_STATIC) >= _STATIC_SIZE:
             _STATIC.popitem(last=False)

@@ -202,6 +202,78 @@ def test_ranks_must_agree_on_the_path(world2, tmp_path):
     assert world2.run(different_paths, str(tmp_path)) == [None, None]
 
 
+def zero_filled(directory: str) -> list:
+    m = mesh(2)
+    params = fs.shard({"w": torch.randn(64, 32, generator=torch.Generator().manual_seed(0))}, m)
+    path = fs.checkpoint.save(f"{directory}/ckpt", {"params": params, "step": 3})
+    damaged = os.path.join(path, "__1_0.distcp")  # rank 1's shard
+    dist.barrier()
+    if dist.get_rank() == 1:
+        size = os.path.getsize(damaged)
+        with open(damaged, "wb") as f:
+            f.write(bytes(size))
+    dist.barrier()
+    like = {"params": fs.shard({"w": torch.empty(64, 32)}, m), "step": 0}
+    found = []
+    try:  # DCP's CheckpointException is a BaseException: this must be an Exception
+        fs.checkpoint.load(path, like)
+    except Exception as e:
+        found.append((type(e).__name__, str(e)))
+    fs.checkpoint.save(f"{directory}/next", {"step": 4})  # the ranks are still in step
+    return found, fs.checkpoint.load(f"{directory}/next", {"step": 0})["step"]
+
+
+def test_a_zero_filled_data_file_is_named_on_every_rank(world2, tmp_path):
+    for found, step in world2.run(zero_filled, str(tmp_path)):
+        assert step == 4 and len(found) == 1
+        kind, message = found[0]
+        assert kind == "RuntimeError", message
+        assert "__1_0.distcp is damaged: key '" in message, message
+        assert "weights_only" not in message
+
+
+_EXITING = """
+import sys, time, torch, torch.distributed as dist
+from unittest import mock
+import funcshard as fs
+from torch.distributed.checkpoint import FileSystemWriter
+rank, directory, destroy = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "destroy"
+dist.init_process_group("gloo", init_method=f"file://{directory}/rdv", rank=rank, world_size=2)
+from torch.distributed.device_mesh import init_device_mesh
+params = fs.shard({"w": torch.ones(64, 8)}, init_device_mesh("cpu", (2,)))
+write = FileSystemWriter.write_data
+slow = lambda *a, **k: (time.sleep(1.0), write(*a, **k))[1]  # still writing at the exit
+with mock.patch.object(FileSystemWriter, "write_data", slow):
+    fs.checkpoint.async_save(f"{directory}/ckpt", {"params": params, "step": 7})
+    if destroy:
+        dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("destroy", ["destroy", "exit"])
+def test_an_async_save_in_flight_at_exit_finishes_or_fails_loudly(tmp_path, destroy):
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", _EXITING, str(r), str(tmp_path), destroy],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    errs = [p.communicate(timeout=120)[1] for p in ranks]
+    if destroy == "exit":  # no wait() before exit: the save is finished at exit
+        assert [p.returncode for p in ranks] == [0, 0], errs
+        saved = fs.checkpoint.load(
+            tmp_path / "ckpt", {"params": {"w": torch.empty(64, 8)}, "step": 0}
+        )
+        assert saved["step"] == 7 and torch.equal(saved["params"]["w"], torch.ones(64, 8))
+        return
+    # destroyed under it: nothing committed, and every rank says so with exit code 1
+    assert [p.returncode for p in ranks] == [1, 1], errs
+    assert all("were not saved" in e and "ckpt" in e for e in errs), errs
+    assert fs.checkpoint.latest(tmp_path) is None
+
+
 def async_saves(directory: str) -> list:
     m = mesh(2)
     full = torch.randn(512, 256, generator=torch.Generator().manual_seed(0))

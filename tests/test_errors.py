@@ -88,22 +88,24 @@ def test_ranks_with_different_plans_get_an_error(world2):
     assert world2.run(disagreeing_plans) == [None, None]
 
 
-def steady_state_is_free():
-    """The exchange runs once per new structure; later calls pay nothing."""
-    calls = []
-    real = _consensus._exchange
+def steady_state_is_cheap():
+    """One status exchange per call (see [Note: one status per call]); the structure is
+    described and hashed once."""
+    calls, described = [], []
+    real, describe = _consensus._exchange, _consensus._describe
     _consensus._exchange = lambda *a: calls.append(a[0]) or real(*a)
+    _consensus._describe = lambda *a: described.append(1) or describe(*a)
     try:
         sharded = fs.shard({"steady.w": torch.ones(8, 2)}, mesh(dist.get_world_size()))
         for _ in range(5):
             fs.value_and_grad(lambda p: fs.unshard(p)["steady.w"].sum())(sharded)
     finally:
-        _consensus._exchange = real
-    return calls
+        _consensus._exchange, _consensus._describe = real, describe
+    return calls, len(described)
 
 
-def test_agreement_is_checked_once_per_structure(world2):
-    assert world2.run(steady_state_is_free) == [["digest"], ["digest"]]
+def test_agreement_is_one_exchange_per_call(world2):
+    assert world2.run(steady_state_is_cheap) == [(["status"] * 5, 1)] * 2
 
 
 # ---- shards that do not belong to the process group ---------------------------------------------

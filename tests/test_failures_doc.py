@@ -46,6 +46,7 @@ AREAS = {
     "transforms/_shard.py": SHARDING,
     "_parallel.py": SHARDING,
     "_consensus.py": TREES,
+    "_debug.py": TREES,
     "_tree.py": TREES,
     "_autodiff.py": GRADIENTS,
     "transforms/_unshard.py": GRADIENTS,
@@ -77,11 +78,13 @@ INDIRECT = {
         "RuntimeError",
         ["was created inside a function", "under torch compile needs torch"],
     ),
-    "_consensus.py::agree": ("ValueError", ["ranks disagree"]),  # built by _message
+    "_consensus.py::_agree": ("ValueError", ["ranks disagree", "raised on every rank"]),
     "_plan.py::_recompute_names": ("ValueError", ["cannot recompute its forward"]),
     "_plan.py::_validate": ("ValueError", ["cannot recompute its forward"]),  # _ROOT_RECOMPUTES
     "testing/_pool.py::Pool._results": ("RankError", ["failed on rank", "did not finish"]),
     "checkpoint/_comm.py::all_ok": ("RuntimeError", ["Saving wait"]),  # "rank r: <error>"
+    "_autodiff.py::value_and_grad.wrapped": ("TypeError", ["inside another fs value_and_grad"]),
+    "checkpoint/_load.py::load": ("RuntimeError", ["is damaged key", "reading the data of"]),
     "testing/_reference.py::assert_close": ("AssertionError", ["does not match the structure"]),
 }
 

@@ -479,3 +479,80 @@ def sharded_errors():
 def test_errors_on_sharded_trees(world2):
     for rank in world2.run(sharded_errors):
         assert rank == [None] * len(rank), rank
+
+
+# --- apply_if_finite: a NaN in one rank's batch skips the step on every rank ----------------
+
+
+def nan_on_one_rank(donated: bool):
+    m = mesh(2)
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(0)
+    full = {"w": torch.randn(6, 4, generator=g), "b": torch.randn(6, generator=g)}
+    ours = fs.shard(full, m)
+    theirs = {k: v.clone().requires_grad_() for k, v in full.items()}  # unsharded reference
+    ref = torch.optim.AdamW(theirs.values(), lr=0.05)
+    opt = optim.apply_if_finite(
+        optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(0.05)), max_consecutive_errors=2
+    )
+    state = opt.init(ours)
+    seen = []
+    for step in range(6):
+        grads = {k: torch.randn(v.shape, generator=g) for k, v in full.items()}
+        bad = step in (2, 3)  # a NaN in rank 1's gradients only
+        mine = fs.shard(grads, m)
+        if bad and rank == 1:
+            mine["w"].to_local()[0, 0] = float("nan")
+        if not bad:  # the reference skips those steps
+            for k, t in theirs.items():
+                t.grad = grads[k].clone()
+            torch.nn.utils.clip_grad_norm_(theirs.values(), 1.0)
+            ref.step()
+        if donated:
+            ours, state = optim.step(opt, ours, mine, state)
+        else:
+            updates, state = opt.update(mine, state, ours)
+            ours = optim.apply_updates(ours, updates)
+        seen.append((int(state.notfinite_count), bool(state.last_finite)))
+    err = max(_diff(ours[k], fs.shard({k: t.detach()}, m)[k]) for k, t in theirs.items())
+    # more than max_consecutive_errors in a row: applied anyway (as optax)
+    strict = optim.apply_if_finite(optim.sgd(0.1), max_consecutive_errors=0)
+    nan = fs.shard({"w": torch.full((4,), float("nan"))}, m)
+    p, _ = optim.step(strict, fs.shard({"w": torch.ones(4)}, m), nan, strict.init(nan))
+    return seen, int(state.total_notfinite), err, bool(torch.isnan(p["w"].full_tensor()).all())
+
+
+@pytest.mark.parametrize("donated", [True, False])
+def test_apply_if_finite_skips_a_step_with_a_nan_on_one_rank(world2, donated):
+    for seen, total, err, applied in world2.run(nan_on_one_rank, donated):
+        assert seen == [(0, True), (0, True), (1, False), (2, False), (0, True), (0, True)]
+        assert total == 2 and applied
+        assert err < 1e-6, err  # the clip norm is summed shard by shard: rounding differs
+
+
+def frozen_for_a_while():
+    """Sharded AdamW where one parameter has no gradient for 5 steps, against torch.optim.AdamW
+    on the full tensors (which counts a step per parameter)."""
+    m = mesh(2)
+    g = torch.Generator().manual_seed(5)
+    full = {"w": torch.randn(6, 4, generator=g), "late": torch.randn(6, generator=g)}
+    ours = fs.shard(full, m)
+    theirs = {k: v.clone().requires_grad_() for k, v in full.items()}
+    ref = torch.optim.AdamW(theirs.values(), lr=0.05, weight_decay=0.1)
+    opt = optim.adamw(0.05, weight_decay=0.1)
+    state = opt.init(ours)
+    for step in range(8):
+        grads = {k: torch.randn(v.shape, generator=g) for k, v in full.items()}
+        grads["late"] = None if step < 5 else grads["late"]
+        for k, t in theirs.items():
+            t.grad = None if grads[k] is None else grads[k].clone()
+        ref.step()
+        given = {k: None if v is None else fs.shard({k: v}, m)[k] for k, v in grads.items()}
+        ours, state = optim.step(opt, ours, given, state)
+    expected = fs.shard({k: t.detach() for k, t in theirs.items()}, m)
+    return max(_diff(ours[k], expected[k]) for k in full), float(state.steps["late"])
+
+
+def test_sharded_adamw_counts_steps_per_leaf_as_torch_optim(world2):
+    for err, late in world2.run(frozen_for_a_while):
+        assert err == 0 and late == 3.0

@@ -322,3 +322,83 @@ def test_step_falls_back_to_update_for_user_transformations():
     params, _ = optim.step(scale, {"w": torch.ones(2)}, {"w": torch.ones(2)}, optim.EmptyState())
     assert torch.equal(params["w"], torch.full((2,), 0.5))
     assert math.isclose(optim.global_norm({"a": torch.full((4,), 2.0), "b": None}).item(), 4.0)
+
+
+@pytest.mark.parametrize("donated", [True, False])
+@pytest.mark.parametrize("make", [torch.optim.Adam, torch.optim.AdamW])
+def test_a_leaf_frozen_for_a_while_gets_torch_optims_bias_correction(make, donated):
+    # "late" has no gradient for its first 6 steps, "gap" none for steps 2..7: torch.optim counts
+    # steps per parameter, so their bias corrections restart where they stopped
+    g = torch.Generator().manual_seed(3)
+    params = {"w": torch.randn(3, 2, generator=g), "late": torch.randn(4, generator=g)}
+    params["gap"] = torch.randn(2, generator=g)
+    theirs = {k: v.clone().requires_grad_() for k, v in params.items()}
+    topt = make(theirs.values(), lr=0.05, weight_decay=0.1)
+    ours = fs.optim.adamw if make is torch.optim.AdamW else fs.optim.adam
+    opt = ours(0.05, weight_decay=0.1)
+    state = opt.init(params)
+    for step in range(12):
+        grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+        grads["late"] = None if step < 6 else grads["late"]
+        grads["gap"] = None if 2 <= step < 8 else grads["gap"]
+        for k, t in theirs.items():
+            t.grad = None if grads[k] is None else grads[k].clone()
+        topt.step()
+        if donated:
+            params, state = optim.step(opt, params, grads, state)
+        else:
+            updates, state = opt.update(grads, state, params)
+            params = optim.apply_updates(params, updates)
+    for k, t in theirs.items():
+        torch.testing.assert_close(params[k], t.detach(), rtol=0, atol=0 if donated else 1e-7)
+        assert torch.equal(state.steps[k], topt.state[t]["step"]), k
+    assert [int(state.steps[k]) for k in ("w", "late", "gap")] == [12, 6, 6]
+    assert int(state.count) == 12  # the schedule's step counts every update
+
+
+def test_low_precision_scalars_and_learning_rates_as_torch_optim_takes_them():
+    # a 0-dim bf16 parameter through the pure clip + adamw (the clip used to promote it)
+    params = {
+        "s": torch.tensor(1.5, dtype=torch.bfloat16),
+        "w": torch.ones(3, dtype=torch.bfloat16),
+    }
+    grads = {"s": torch.tensor(2.0, dtype=torch.bfloat16), "w": torch.ones(3, dtype=torch.bfloat16)}
+    opt = optim.chain(optim.clip_by_global_norm(0.1), optim.adamw(1e-2))
+    theirs = {k: v.clone().requires_grad_() for k, v in params.items()}
+    for k, t in theirs.items():
+        t.grad = grads[k].clone()
+    torch.nn.utils.clip_grad_norm_(theirs.values(), 0.1)
+    torch.optim.AdamW(theirs.values(), lr=1e-2).step()
+    updates, _ = opt.update(grads, opt.init(params), params)
+    new = optim.apply_updates(params, updates)
+    for k, t in theirs.items():
+        assert new[k].dtype == torch.bfloat16 and torch.equal(new[k], t.detach()), k
+    # numpy and tensor learning rates, as torch.optim accepts them; a tensor lr is read each step
+    import numpy as np
+
+    lr = torch.tensor(0.1)
+    for rate in (np.float32(0.1), lr):
+        p = {"w": torch.ones(2)}
+        t = p["w"].clone().requires_grad_()
+        topt = torch.optim.SGD([t], lr=rate)
+        opt = optim.sgd(rate)
+        state = opt.init(p)
+        for _ in range(2):
+            t.grad = torch.ones(2)
+            topt.step()
+            p, state = optim.step(opt, p, {"w": torch.ones(2)}, state)
+            lr.fill_(0.05)
+        assert torch.equal(p["w"], t.detach())
+    with pytest.raises(TypeError, match="a tensor lr must hold one real number"):
+        optim.adam(torch.ones(2))
+    with pytest.raises(TypeError, match=r"lr='0\.1' is a str"):
+        optim.adam("0.1")
+
+
+def test_a_gradient_of_another_dtype_is_named():
+    opt, params, state = _setup(optim.adamw(0.1))
+    grads = {"a": torch.ones(3, dtype=torch.float64), "b": None, "ids": None}
+    with pytest.raises(TypeError, match=r"adamw: grads\['a'\] is torch.float64 but the param"):
+        opt.update(grads, state, params)
+    with pytest.raises(TypeError, match=r"set_grads: grads\['a'\] is torch.float64"):
+        optim.set_grads(params, grads)

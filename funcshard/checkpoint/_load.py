@@ -10,6 +10,7 @@ never recomputed, so every value is bit for bit the saved one.
 
 from __future__ import annotations
 
+import io
 import os
 import warnings
 from typing import Any
@@ -69,7 +70,10 @@ def load(path: str | os.PathLike, like: PyTree, *, strict: bool = True) -> PyTre
     _check_files(path, metadata, targets)
     with warnings.catch_warnings():  # DCP warns that it loads in one process without a group
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(targets, storage_reader=dcp.FileSystemReader(path), no_dist=not distributed())
+        try:
+            dcp.load(targets, storage_reader=dcp.FileSystemReader(path), no_dist=not distributed())
+        except dcp.CheckpointException as e:  # see [Note: damaged data files]
+            raise _damaged(path, metadata, targets, e) from None
     out = []
     for key, leaf in zip(keys, leaves, strict=True):
         if isinstance(leaf, RNGState):
@@ -185,3 +189,42 @@ def _check_files(path: str, metadata: Metadata, targets: dict[str, Any]) -> None
                 f"{info.offset}..{end} of it. The checkpoint {path} is damaged; load an earlier "
                 "one."
             )
+
+
+def _damaged(path: str, metadata: Metadata, targets: dict, e: BaseException) -> RuntimeError:
+    """The error for a load whose data could not be read, naming the damaged file and key.
+
+    [Note: damaged data files]
+    DCP reports any failure while reading as a ``CheckpointException``, a ``BaseException`` that
+    ``except Exception`` does not catch, whose text is the worker's traceback (for a file of the
+    right size full of zeros: torch.load's ``invalid load key``, with its advice to try
+    ``weights_only=False``). Every rank gets it (DCP gathers the failures), so every rank then
+    reads its requested items again one by one, as DCP reads them (``torch.load`` of each
+    item's byte range), to name the first one that cannot be read; that costs nothing when the
+    load succeeds.
+    """
+    failures = getattr(e, "failures", {}) or {}
+    first = next(iter(failures.values()), e)
+    lines = str(first).strip().splitlines() or [""]
+    cause = f"{type(first).__name__}: {lines[-1]}"
+    for index, info in (metadata.storage_data or {}).items():
+        if index.fqn not in targets or info.transform_descriptors:
+            continue
+        file = os.path.join(path, info.relative_path)
+        try:
+            with open(file, "rb") as f:
+                f.seek(info.offset)
+                data = io.BytesIO(f.read(info.length))
+            tensor = not isinstance(metadata.state_dict_metadata[index.fqn], BytesStorageMetadata)
+            torch.load(data, map_location="cpu", weights_only=tensor)
+        except Exception as bad:
+            return RuntimeError(
+                f"{file} is damaged: key {index.fqn!r}, stored at bytes {info.offset}.."
+                f"{info.offset + info.length} of it, cannot be read ({type(bad).__name__}: "
+                f"{bad}). The checkpoint {path} is damaged (overwritten or zero-filled); load an "
+                "earlier one."
+            )
+    return RuntimeError(
+        f"load: reading the data of {path} failed on rank(s) {sorted(failures)} ({cause}); its "
+        "data files are damaged, or were changed while loading. Load an earlier checkpoint."
+    )

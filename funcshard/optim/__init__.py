@@ -17,6 +17,7 @@ from ._base import (
 )
 from ._clip import ClipState, clip_by_global_norm, global_norm
 from ._ema import Ema, EmaState, ema
+from ._finite import ApplyIfFiniteState, all_finite, apply_if_finite
 from ._kernels import AdamState, SgdState, adam, adamw, add_decayed_weights, sgd
 from ._layout import shard_state, state_placements
 from ._masked import MaskedState, at_least_2d, masked
@@ -32,6 +33,7 @@ from ._schedules import (
 
 __all__ = [
     "AdamState",
+    "ApplyIfFiniteState",
     "ClipState",
     "Ema",
     "EmaState",
@@ -45,6 +47,8 @@ __all__ = [
     "adam",
     "adamw",
     "add_decayed_weights",
+    "all_finite",
+    "apply_if_finite",
     "apply_updates",
     "at_least_2d",
     "chain",

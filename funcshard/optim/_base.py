@@ -79,8 +79,11 @@ def leaves_like(tree: PyTree, like: PyTree, what: str, like_what: str) -> list[A
     return flatten_like(tree, like, what=what, like_what=like_what, none_is_leaf=True)
 
 
-def check_like(fn: str, path: str, x: torch.Tensor, like: torch.Tensor, what: str) -> None:
-    """``x`` (an entry of ``what``) has ``like``'s type, global shape and placements.
+def check_like(
+    fn: str, path: str, x: torch.Tensor, like: torch.Tensor, what: str, dtype: bool = False
+) -> None:
+    """``x`` (an entry of ``what``) has ``like``'s type, global shape and placements (and with
+    ``dtype``, its dtype: torch's kernels and ``param.grad`` need it).
 
     Raises:
         TypeError / ValueError: naming ``path`` and both layouts.
@@ -99,6 +102,11 @@ def check_like(fn: str, path: str, x: torch.Tensor, like: torch.Tensor, what: st
         raise ValueError(
             f"{fn}: {what}[{path!r}] has shape and placements {placed(x)}, but the parameter has "
             f"{placed(like)}; {what} must be placed like the parameters."
+        )
+    if dtype and x.dtype != like.dtype:
+        raise TypeError(
+            f"{fn}: {what}[{path!r}] is {x.dtype} but the parameter is {like.dtype}; cast it "
+            f"(e.g. {what}[{path!r}].to({like.dtype})), or keep the parameter in {x.dtype}."
         )
 
 
@@ -243,5 +251,5 @@ def set_grads(params: PyTree, grads: PyTree) -> None:
                 raise TypeError(f"set_grads: grads[{path!r}] has no parameter (it is None).")
             continue
         if g is not None:
-            check_like("set_grads", path, g, p, "grads")
+            check_like("set_grads", path, g, p, "grads", dtype=True)
         p.grad = g

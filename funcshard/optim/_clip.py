@@ -118,7 +118,11 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         if inplace:
             torch._foreach_mul_(tensors, coef)
             return grads, ClipState(norm)
-        scaled = torch._foreach_mul(tensors, coef) if tensors else []
+        # in place on copies: a 0-dim low-precision gradient times the float32 coefficient
+        # would otherwise promote to float32; clip_grad_norm_ keeps the gradients' dtype
+        scaled = [t.clone() for t in tensors]
+        if scaled:
+            torch._foreach_mul_(scaled, coef)
         out = list(gs)
         for i, s in zip(todo, scaled, strict=True):
             out[i] = wrap(s, gs[i])

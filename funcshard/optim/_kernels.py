@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -39,18 +40,23 @@ from .._tree import PyTree, flatten, map_with_path, unflatten
 from ._base import EmptyState, GradientTransformation, check_like, leaves_like, local, wrap
 from ._masked import Mask, resolve
 
-# a float, or a schedule: step count (an int; under torch.compile, a 0-dim int64 tensor) -> lr
-LearningRate = float | Callable[[Any], float | torch.Tensor]
+# a number, a 0-dim tensor (read at every step, as torch.optim reads a tensor lr), or a schedule:
+# step count (an int; under torch.compile, a 0-dim int64 tensor) -> lr
+LearningRate = float | torch.Tensor | Callable[[Any], float | torch.Tensor]
 
 
 class AdamState(NamedTuple):
-    """State of :func:`adam` / :func:`adamw`: ``count`` (int64, updates done so far), ``mu`` and
-    ``nu`` (first and second moments, ``exp_avg``/``exp_avg_sq`` in torch.optim: trees like the
-    parameters, DTensors with their placements; ``None`` for non-floating-point parameters)."""
+    """State of :func:`adam` / :func:`adamw`: ``count`` (int64, updates done so far: the step
+    the learning-rate schedule sees), ``mu`` and ``nu`` (first and second moments,
+    ``exp_avg``/``exp_avg_sq`` in torch.optim: trees like the parameters, DTensors with their
+    placements; ``None`` for non-floating-point parameters) and ``steps`` (torch.optim's
+    per-parameter ``step``: a tree of 0-dim float tensors counting the updates each leaf got,
+    which its bias correction uses; see [Note: a step count per leaf])."""
 
     count: torch.Tensor
     mu: PyTree
     nu: PyTree
+    steps: PyTree
 
 
 class SgdState(NamedTuple):
@@ -83,8 +89,9 @@ def adam(
     """Adam as ``torch.optim.Adam`` computes it (weight decay added to the gradient, L2).
 
     Args:
-        lr: a float, or a schedule ``step -> lr`` evaluated at the state's ``count``
-            (0 for the first update), like a ``LambdaLR`` stepped after each update.
+        lr: a number, a one-element tensor (read at every step), or a schedule ``step -> lr``
+            evaluated at the state's ``count`` (0 for the first update), like a ``LambdaLR``
+            stepped after each update.
         betas, eps, weight_decay: as in ``torch.optim.Adam``.
         mask: which parameters get weight decay: ``fn(path, param) -> bool`` (e.g.
             :func:`at_least_2d`) or a tree of bools; default all. As two ``torch.optim``
@@ -93,7 +100,8 @@ def adam(
             loop over tensors on CPU).
 
     Raises:
-        ValueError: a negative ``lr``/``eps``/``weight_decay`` or a beta outside ``[0, 1)``.
+        ValueError: a negative ``lr``/``eps``/``weight_decay`` or a beta outside ``[0, 1)``;
+        TypeError: an ``lr`` that is no number, one-element tensor or callable.
     """
     return _adam("adam", lr, betas, eps, weight_decay, mask, foreach, decoupled=False)
 
@@ -115,7 +123,7 @@ def adamw(
 
 
 def _adam(name, lr, betas, eps, weight_decay, mask, foreach, decoupled) -> GradientTransformation:
-    _check_lr(name, lr)
+    lr = _check_lr(name, lr)
     _check(name, "eps", eps, eps >= 0, ">= 0")
     _check(name, "weight_decay", weight_decay, weight_decay >= 0, ">= 0")
     for i, b in enumerate(betas):
@@ -154,7 +162,7 @@ def sgd(
         ValueError: negative ``lr``/``momentum``/``weight_decay``, or ``nesterov`` without
             momentum or with dampening.
     """
-    _check_lr("sgd", lr)
+    lr = _check_lr("sgd", lr)
     _check("sgd", "momentum", momentum, momentum >= 0, ">= 0")
     _check("sgd", "weight_decay", weight_decay, weight_decay >= 0, ">= 0")
     if nesterov and (momentum <= 0 or dampening != 0):
@@ -226,7 +234,6 @@ def _pair(fn: str, grads, params, state: dict | None = None) -> tuple[_Pairs, di
             continue
         if p is None:
             raise TypeError(f"{fn}: grads[{path!r}] has no parameter (it is None).")
-        check_like(fn, path, g, p, "grads")
         for field, leaves in fields.items():
             if leaves[i] is None:
                 raise ValueError(
@@ -234,7 +241,8 @@ def _pair(fn: str, grads, params, state: dict | None = None) -> tuple[_Pairs, di
                     "for it (init saw a non-floating-point or None parameter there, or a mask "
                     "left it out); initialize the state from the parameters that are trained."
                 )
-            check_like(fn, path, leaves[i], p, f"state.{field}")
+            check_like(fn, path, leaves[i], p, f"state.{field}", dtype=True)
+        check_like(fn, path, g, p, "grads", dtype=True)
         active.append(i)
     return _Pairs(paths, spec, ps, gs, active), fields
 
@@ -251,13 +259,25 @@ def _groups(hp: _Hyper, pairs: _Pairs) -> list[tuple[float, list[int]]]:
 
 
 def _adam_init(params: PyTree) -> AdamState:
-    return AdamState(_count(), _zeros(params), _zeros(params))
+    """[Note: a step count per leaf]
+    ``torch.optim.Adam`` keeps a ``step`` per parameter and counts only the steps in which the
+    parameter had a gradient: one that was frozen (``grad is None``) for a while gets the bias
+    correction of the updates it actually had when it trains again. ``steps`` holds those counts
+    (float tensors, as torch's), handed to torch's kernel, which increments them; ``count`` counts
+    every update (the step of the learning-rate schedule, as a ``LambdaLR``'s ``last_epoch``).
+    """
+    steps = map_with_path(
+        lambda _, p: torch.zeros((), dtype=_get_scalar_dtype()) if p.is_floating_point() else None,
+        params,
+    )
+    return AdamState(_count(), _zeros(params), _zeros(params), steps)
 
 
 @torch.no_grad()
 def _adam_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
     _check_state(hp.name, state, AdamState)
     pairs, fields = _pair(hp.name, grads, params, {"mu": state.mu, "nu": state.nu})
+    steps = _writable(_leaf_steps(hp.name, state, pairs), pairs.active, inplace)
     count = _count_of(state)
     lr = _lr_at(hp, count)
     mu, nu = (
@@ -272,7 +292,7 @@ def _adam_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
             [local(mu[i]) for i in idx],
             [local(nu[i]) for i in idx],
             [],
-            _steps(count, len(idx)),
+            [steps[i] for i in idx],  # incremented by the kernel
             foreach=hp.foreach,
             # tensor steps all the way (see [Note: the step count under torch.compile])
             capturable=isinstance(count, torch.Tensor),
@@ -283,8 +303,8 @@ def _adam_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
     if inplace:
         state.count.add_(1)
         return _no_updates(pairs), state
-    new = AdamState(state.count + 1, unflatten(pairs.spec, mu), unflatten(pairs.spec, nu))
-    return _differences(pairs, targets), new
+    trees = (unflatten(pairs.spec, t) for t in (mu, nu, steps))
+    return _differences(pairs, targets), AdamState(state.count + 1, *trees)
 
 
 def _sgd_init(has_momentum: bool, params: PyTree) -> SgdState:
@@ -396,17 +416,31 @@ def _first(hp: _Hyper, count) -> bool:
     return count == 0
 
 
-def _steps(count, n: int) -> list[torch.Tensor]:
-    """torch's per-parameter ``state_steps`` (float scalars), before this update's increment."""
-    if isinstance(count, torch.Tensor):  # see [Note: the step count under torch.compile]
-        return [count.to(_get_scalar_dtype()) for _ in range(n)]
-    return list(torch.full((n,), float(count), dtype=_get_scalar_dtype()).unbind(0))
+def _leaf_steps(name: str, state: AdamState, pairs: _Pairs) -> list:
+    """The state's per-leaf step counts in ``pairs``' order, checked to be 0-dim tensors."""
+    steps = leaves_like(
+        state.steps, unflatten(pairs.spec, pairs.params), f"{name} state.steps", "params"
+    )
+    for i in pairs.active:
+        t = steps[i]
+        if not isinstance(t, torch.Tensor) or t.ndim != 0 or not t.is_floating_point():
+            raise ValueError(
+                f"{name}: state.steps[{pairs.paths[i]!r}] is {_show(t)}, not a 0-dim float "
+                "tensor (the updates this parameter got); pass the state that init returned."
+            )
+    return steps
+
+
+def _show(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dtype} tensor of shape {list(x.shape)}"
+    return f"a {type(x).__name__}"
 
 
 def _lr_at(hp: _Hyper, count) -> float | torch.Tensor:
     """The learning rate of this update: a float, checked; under ``torch.compile`` with a
     schedule, the schedule's 0-dim tensor (see [Note: a schedule under torch.compile])."""
-    if callable(hp.lr) and isinstance(count, torch.Tensor):
+    if isinstance(count, torch.Tensor) and not isinstance(hp.lr, float):
         return _traced_lr(hp, count)
     value = hp.lr(count) if callable(hp.lr) else hp.lr
     return _checked_lr(hp, f"step {count}", value)
@@ -439,7 +473,7 @@ def _traced_lr(hp: _Hyper, count: torch.Tensor) -> float | torch.Tensor:
     (eager steps check it); a schedule that returns a Python number is checked while tracing.
     """
     try:
-        value = hp.lr(count)
+        value = hp.lr(count) if callable(hp.lr) else hp.lr
     except Exception as e:
         raise TypeError(
             f"{hp.name}: the learning-rate schedule {_describe(hp.lr)} failed when called with "
@@ -468,11 +502,30 @@ def _describe(fn) -> str:
     return getattr(fn, "__qualname__", None) or repr(fn)
 
 
-def _check_lr(name: str, lr) -> None:
-    if not callable(lr):
-        _check(
-            name, "lr", lr, isinstance(lr, int | float) and math.isfinite(lr) and lr >= 0, ">= 0"
+def _check_lr(name: str, lr) -> LearningRate:
+    """``lr`` as kept: a number as a float (numpy scalars too), a tensor or schedule as given.
+
+    Raises:
+        TypeError: not a number, a one-element real tensor or a callable; ValueError: negative
+            or not finite."""
+    if callable(lr):
+        return lr
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1 or lr.is_complex() or lr.dtype == torch.bool:
+            raise TypeError(
+                f"{name}: lr is a {lr.dtype} tensor of shape {list(lr.shape)}; a tensor lr must "
+                "hold one real number."
+            )
+        value = float(lr)
+    elif isinstance(lr, numbers.Real) and not isinstance(lr, bool):
+        value = lr = float(lr)
+    else:
+        raise TypeError(
+            f"{name}: lr={lr!r} is a {type(lr).__name__}; pass a number, a one-element tensor or "
+            "a schedule (step -> lr)."
         )
+    _check(name, "lr", value, math.isfinite(value) and value >= 0, "a finite number >= 0")
+    return lr
 
 
 def _check(name: str, what: str, value, ok: bool, rule: str) -> None:

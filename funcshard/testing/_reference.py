@@ -107,7 +107,8 @@ def reference_value_and_grad(
     Returns:
         ``value``: ``loss_fn`` on this rank's batch, detached. ``grads``: plain full tensors with
         the structure of ``params``, the gradient of ``loss_fn`` on the global batch (zeros for
-        parameters that do not influence it).
+        parameters that do not influence it; ``None`` for integer leaves, as
+        ``fs.value_and_grad`` gives them).
 
     Raises:
         TypeError: a leaf of ``params`` is not a tensor, a batch leaf is a DTensor, or the value
@@ -123,13 +124,23 @@ def reference_value_and_grad(
                 f"reference_value_and_grad: params{_at(path)} is a {type(x).__name__}; params "
                 "holds tensors only (DTensors, LocalShards or full tensors)."
             )
-        full.append(x.detach().requires_grad_())
+        differentiable = x.is_floating_point() or x.is_complex()
+        full.append(x.detach().requires_grad_(differentiable))
     distributed = dist.is_initialized()
     everyone = [_concat(f"batch[{i}]", b, group) for i, b in enumerate(batch)]
+    wanted = [x for x in full if x.requires_grad]
     with torch.enable_grad():
         value = _checked(loss_fn(unflatten(spec, full), *everyone))
-        grads = torch.autograd.grad(value, full, allow_unused=True) if full else ()
-    grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, full, strict=True)]
+        found = iter(
+            torch.autograd.grad(value, wanted, allow_unused=True)
+            if wanted and value.requires_grad
+            else [None] * len(wanted)
+        )
+    # integer leaves get None (as fs.value_and_grad gives them); unused float leaves zeros
+    grads = [
+        (g if (g := next(found)) is not None else torch.zeros_like(x)) if x.requires_grad else None
+        for x in full
+    ]
     if distributed:
         with torch.no_grad():
             value = _checked(loss_fn(unflatten(spec, [x.detach() for x in full]), *batch))

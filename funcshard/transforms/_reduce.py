@@ -6,7 +6,7 @@ import torch
 
 from .. import _flat
 from .._compile import traced
-from .._consensus import agree
+from .._consensus import agree, failing
 from .._dtensor import dtensors_of, unwrap
 from .._parallel import model_local
 from .._spec import LocalShard, ShardSpec, spec_of
@@ -43,32 +43,35 @@ def reduce(
         ValueError: the trees' structures differ (naming the keys), a shape does not match.
         TypeError: a leaf of ``full_grads`` is not a tensor, or of ``like`` not a shard.
     """
-    mean = reduce_mean(op, "op")
-    paths, like_leaves, spec = flatten(like, none_is_leaf=True)
-    fulls = flatten_like(full_grads, like, what="full_grads", like_what="like", none_is_leaf=True)
-    given = [i for i, f in enumerate(fulls) if f is not None]
-    layouts, dtypes, specs = [], [], []
-    for i, path, full, leaf in ((i, paths[i], fulls[i], like_leaves[i]) for i in given):
-        shard_spec = spec_of(path, leaf, "reduce")
-        if not isinstance(full, torch.Tensor):
-            raise TypeError(
-                f"reduce: full_grads at {path!r} is a {type(full).__name__}, not a tensor."
-            )
-        lead = len(shard_spec.shape) - full.dim()
-        if lead < 0 or tuple(full.shape) != shard_spec.shape[lead:]:
-            raise ValueError(
-                f"reduce: full_grads at {path!r} has shape {list(full.shape)}, expected the full "
-                f"shape {list(shard_spec.shape)} of the parameter it reduces into."
-            )
-        if shard_spec.dp_dims is not None:  # FSDP x TP: scatter the TP-local part over dp
-            fulls[i] = model_local(path, full, shard_spec)
-        layouts.append(_flat.Layout.stripped(path, shard_spec, lead))
-        specs.append(shard_spec)
-        dtypes.append(leaf.tensor.dtype if isinstance(leaf, LocalShard) else leaf.dtype)
-    opts = _flat.Options("reduce", reduce_dtype=reduce_dtype, mean=mean)
-    entries = [(paths[i], s, d, True) for i, s, d in zip(given, specs, dtypes, strict=True)]
-    wire = ("grad_dtypes", tuple(fulls[i].dtype for i in given))
-    agree("reduce", entries, (*opts.key(), wire))
+    with failing("reduce"):  # see [Note: one status per call] in _consensus
+        mean = reduce_mean(op, "op")
+        paths, like_leaves, spec = flatten(like, none_is_leaf=True)
+        fulls = flatten_like(
+            full_grads, like, what="full_grads", like_what="like", none_is_leaf=True
+        )
+        given = [i for i, f in enumerate(fulls) if f is not None]
+        layouts, dtypes, specs = [], [], []
+        for i, path, full, leaf in ((i, paths[i], fulls[i], like_leaves[i]) for i in given):
+            shard_spec = spec_of(path, leaf, "reduce")
+            if not isinstance(full, torch.Tensor):
+                raise TypeError(
+                    f"reduce: full_grads at {path!r} is a {type(full).__name__}, not a tensor."
+                )
+            lead = len(shard_spec.shape) - full.dim()
+            if lead < 0 or tuple(full.shape) != shard_spec.shape[lead:]:
+                raise ValueError(
+                    f"reduce: full_grads at {path!r} has shape {list(full.shape)}, expected the "
+                    f"full shape {list(shard_spec.shape)} of the parameter it reduces into."
+                )
+            if shard_spec.dp_dims is not None:  # FSDP x TP: scatter the TP-local part over dp
+                fulls[i] = model_local(path, full, shard_spec)
+            layouts.append(_flat.Layout.stripped(path, shard_spec, lead))
+            specs.append(shard_spec)
+            dtypes.append(leaf.tensor.dtype if isinstance(leaf, LocalShard) else leaf.dtype)
+        opts = _flat.Options("reduce", reduce_dtype=reduce_dtype, mean=mean)
+        entries = [(paths[i], s, d, True) for i, s, d in zip(given, specs, dtypes, strict=True)]
+        wire = ("grad_dtypes", tuple(fulls[i].dtype for i in given))
+        agree("reduce", entries, (*opts.key(), wire))
     reduced = _flat.scatter([fulls[i] for i in given], layouts, dtypes, opts) if given else []
     outs: list = [None] * len(fulls)
     for i, out in zip(given, _like(reduced, [like_leaves[i] for i in given]), strict=True):

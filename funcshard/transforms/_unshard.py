@@ -48,13 +48,16 @@ def unshard(
         RuntimeError: shards still on the meta device.
         ValueError: bad ``grad_reduce``; a local tensor that does not match its spec.
     """
-    paths, leaves, spec = flatten(sharded)
-    locals_, specs = as_locals(paths, leaves, "unshard")
-    layouts = [_flat.Layout.of(p, s, t) for p, s, t in zip(paths, specs, locals_, strict=True)]
-    check_materialized(paths, locals_, "unshard")
-    opts = _flat.Options("unshard", param_dtype, reduce_dtype, mean=reduce_mean(grad_reduce))
-    entries = zip(paths, specs, locals_, strict=True)
-    _consensus.agree("unshard", [_consensus.leaf(p, s, t) for p, s, t in entries], opts.key())
+    with _consensus.failing("unshard"):  # see [Note: one status per call]
+        paths, leaves, spec = flatten(sharded)
+        locals_, specs = as_locals(paths, leaves, "unshard")
+        found = zip(paths, specs, locals_, strict=True)
+        layouts = [_flat.Layout.of(p, s, t) for p, s, t in found]
+        check_materialized(paths, locals_, "unshard")
+        opts = _flat.Options("unshard", param_dtype, reduce_dtype, mean=reduce_mean(grad_reduce))
+        entries = zip(paths, specs, locals_, strict=True)
+        leaves_ = [_consensus.leaf(p, s, t) for p, s, t in entries]
+        _consensus.agree("unshard", leaves_, opts.key())
     fulls = _flat.gather(locals_, layouts, opts) if locals_ else []
     if (sink := _sink.current()) is not None:  # see [Note: gradient accumulation without ...]
         _parallel.refuse_unsynced(paths, specs, "unshard")
