@@ -133,8 +133,7 @@ def functional_call(
     Raises:
         ValueError: different values for tied names; a name given in two dicts; a tensor whose
             shape differs from the module's own (on meta too); float64 parameters mixed with
-            lower-precision ones; a parameter or buffer left on the meta device (not given)
-            in a call on real tensors. See [Note: what functional_call checks].
+            lower-precision ones. See [Note: what functional_call checks].
         RuntimeError: ``strict=True`` and names are missing or unexpected (torch's message);
             the module uses one of its own tensors that is on meta and not given, while the
             inputs are not on meta (see [Note: a tensor left on meta is never computed with]).
@@ -239,25 +238,18 @@ def _check_given(module: nn.Module, given: Mapping[str, Any]) -> None:
     full tensor belongs -- is named here, before the forward fails inside some matmul
     (``mat1 and mat2 shapes cannot be multiplied``). Three more mistakes would only fail deep
     inside the forward, or not at all: float64 parameters mixed with float32/bf16 ones (a model
-    partly converted with ``.double()``); a module left on meta whose buffers (BatchNorm's
-    running statistics) were not passed (``Tensor on device meta is not on the expected
-    device``); BatchNorm running statistics in bf16/fp16 while training (each update
+    partly converted with ``.double()``); BatchNorm running statistics in bf16/fp16 while
+    training (each update
     ``(1 - momentum) * mean + momentum * batch_mean`` rounds away). Cost: one pass over the
     module's named tensors and modules per call (no communication); under ``torch.compile``,
     at trace time only.
     """
-    real, left_on_meta = False, None
     dtypes: dict[torch.dtype, str] = {}
     params = dict(module.named_parameters(remove_duplicate=False))
-    named = list(_named_tensors(module))
-    covered = {id(own) for name, own in named if name in given}  # shared slots: one name given
-    for name, own in named:
+    for name, own in _named_tensors(module):  # tensors left on meta: see _meta (where used)
         value = given.get(name)
         if not isinstance(value, torch.Tensor):
-            if own.is_meta and id(own) not in covered and left_on_meta is None:
-                left_on_meta = name
             continue
-        real = real or value.device.type != "meta"
         if value.shape != own.shape:
             owner = type(module.get_submodule(name.rpartition(".")[0])).__name__
             raise ValueError(
@@ -268,13 +260,6 @@ def _check_given(module: nn.Module, given: Mapping[str, Any]) -> None:
             )
         if name in params and value.is_floating_point():
             dtypes.setdefault(value.dtype, name)
-    if real and left_on_meta is not None:
-        raise ValueError(
-            f"functional_call: {left_on_meta!r} is on the meta device and no value was given for "
-            "it. Pass the buffers too (BatchNorm's running statistics, ...): "
-            "fs.functional_call(module, (params, buffers), args) with buffers from "
-            "fs.extract(module) (or fs.materialize)."
-        )
     if torch.float64 in dtypes and len(dtypes) > 1:
         wide = dtypes.pop(torch.float64)
         other, narrow = next(iter(dtypes.items()))
