@@ -210,7 +210,7 @@ def live_tensors(steps: int = 12, warmup: int = 3):
 
 def test_checkpointed_training_does_not_leak(world2):
     for before, after in world2.run(live_tensors):
-        assert after == before
+        assert after <= before  # fewer: earlier tests' objects the pool freed meanwhile
 
 
 def test_private_torch_apis_still_behave():
