@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import funcshard as fs
+from funcshard._compat import HAS_2_13
 
 from _mesh import mesh
 from _tp import (
@@ -152,6 +153,8 @@ def full_spmd_vs_fsdp2(steps: int):
     # a mesh of its own: the (dp, tp) mesh of the other tests holds TP-sub-mesh layouts
     m = mesh(2, 2, names=("batch", "model"))
     net, ref = spmd_net(m), spmd_net(m)
+    from torch.distributed.fsdp import DataParallelMeshDims  # torch >= 2.13
+
     fully_shard(ref, mesh=m, dp_mesh_dims=DataParallelMeshDims(shard="batch"))
     sharded = fs.shard(fs.extract(net)[0], m["batch"])
     torch.manual_seed(0)
@@ -195,6 +198,7 @@ def full_spmd_vs_fsdp2(steps: int):
     return out
 
 
+@pytest.mark.skipif(not HAS_2_13, reason="FSDP2's dp_mesh_dims: torch 2.13")
 def test_full_spmd_vs_fsdp2(world4):
     for rank in world4.run(full_spmd_vs_fsdp2, 2):
         for loss_err, fsdp_loss_err, fsdp_err, plain_err, layout in rank:
