@@ -53,7 +53,10 @@ def peak_bytes(fn, *, this_thread: bool = False) -> tuple[int, object]:
     Frees of memory allocated before the call count when the calling thread makes them.
     """
     activities = [ProfilerActivity.CPU]
-    with profile(activities=activities, profile_memory=True) as prof, record_function(_MARK):
+    with (
+        profile(activities=activities, profile_memory=True, acc_events=True) as prof,
+        record_function(_MARK),
+    ):
         result = fn()  # _MARK names the calling thread in the trace
     events = sorted(_allocations(prof), key=lambda e: e.start_time_ns)
     main = next(e.start_tid for e in _walk(prof) if e.name == _MARK) if this_thread else None
