@@ -402,3 +402,28 @@ def test_a_gradient_of_another_dtype_is_named():
         opt.update(grads, state, params)
     with pytest.raises(TypeError, match=r"set_grads: grads\['a'\] is torch.float64"):
         optim.set_grads(params, grads)
+
+
+@pytest.mark.parametrize("make", [torch.optim.Adam, torch.optim.AdamW])
+def test_fused_kernel_as_torch_optim_fused(make):
+    """``fused=True`` is torch's fused kernel: bit for bit ``torch.optim.*(fused=True)``, with a
+    leaf without gradient for a while and two weight-decay groups (masked decay)."""
+    g = torch.Generator().manual_seed(5)
+    params = {"w": torch.randn(50, 30, generator=g), "b": torch.randn(30, generator=g)}
+    theirs = {k: v.clone().requires_grad_() for k, v in params.items()}
+    topt = make(
+        [{"params": [theirs["w"]]}, {"params": [theirs["b"]], "weight_decay": 0.0}],
+        lr=0.03, weight_decay=0.1, fused=True,
+    )  # fmt: skip
+    ours = fs.optim.adamw if make is torch.optim.AdamW else fs.optim.adam
+    opt = ours(0.03, weight_decay=0.1, mask=optim.at_least_2d, fused=True)
+    state = opt.init(params)
+    for step in range(6):
+        grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+        grads["b"] = None if step in (1, 2) else grads["b"]
+        for k, t in theirs.items():
+            t.grad = None if grads[k] is None else grads[k].clone()
+        topt.step()
+        params, state = optim.step(opt, params, grads, state)
+    for k, t in theirs.items():
+        assert torch.equal(params[k], t.detach()), k

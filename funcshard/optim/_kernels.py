@@ -85,6 +85,7 @@ def adam(
     *,
     mask: Mask | None = None,
     foreach: bool | None = None,
+    fused: bool | None = None,
 ) -> GradientTransformation:
     """Adam as ``torch.optim.Adam`` computes it (weight decay added to the gradient, L2).
 
@@ -98,12 +99,15 @@ def adam(
             parameter groups, one with ``weight_decay=0``.
         foreach: as in ``torch.optim``; ``None`` lets torch choose (foreach kernels on CUDA, a
             loop over tensors on CPU).
+        fused: as in ``torch.optim``: ``True`` runs torch's fused kernel (one kernel for all
+            the shards of a dtype and device; CUDA, and CPU for floating dtypes), what
+            ``torch.optim.AdamW(fused=True)`` computes; not with ``foreach=True``.
 
     Raises:
         ValueError: a negative ``lr``/``eps``/``weight_decay`` or a beta outside ``[0, 1)``;
         TypeError: an ``lr`` that is no number, one-element tensor or callable.
     """
-    return _adam("adam", lr, betas, eps, weight_decay, mask, foreach, decoupled=False)
+    return _adam("adam", lr, betas, eps, weight_decay, mask, foreach, fused, decoupled=False)
 
 
 def adamw(
@@ -114,15 +118,18 @@ def adamw(
     *,
     mask: Mask | None = None,
     foreach: bool | None = None,
+    fused: bool | None = None,
 ) -> GradientTransformation:
     """AdamW as ``torch.optim.AdamW`` computes it (decoupled weight decay: ``p *= 1 - lr * wd``).
 
     Arguments as for :func:`adam`; ``mask`` selects the parameters that are decayed.
     """
-    return _adam("adamw", lr, betas, eps, weight_decay, mask, foreach, decoupled=True)
+    return _adam("adamw", lr, betas, eps, weight_decay, mask, foreach, fused, decoupled=True)
 
 
-def _adam(name, lr, betas, eps, weight_decay, mask, foreach, decoupled) -> GradientTransformation:
+def _adam(
+    name, lr, betas, eps, weight_decay, mask, foreach, fused, decoupled
+) -> GradientTransformation:
     lr = _check_lr(name, lr)
     _check(name, "eps", eps, eps >= 0, ">= 0")
     _check(name, "weight_decay", weight_decay, weight_decay >= 0, ">= 0")
@@ -135,6 +142,7 @@ def _adam(name, lr, betas, eps, weight_decay, mask, foreach, decoupled) -> Gradi
         decoupled_weight_decay=decoupled,
         amsgrad=False,
         maximize=False,
+        fused=fused,
     )
     hp = _Hyper(name, lr, float(weight_decay), mask, foreach, tuple(options.items()))
     return GradientTransformation(
