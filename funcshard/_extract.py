@@ -23,7 +23,7 @@ from torch import nn
 
 from ._compile import compiling
 from ._meta import guard as guard_meta
-from ._torch_checkpoint import binding_regions, reparametrized
+from ._torch_checkpoint import reparametrized, watching
 
 _ALIASES: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
 
@@ -170,15 +170,14 @@ def slots(module, parameter_and_buffer_dicts, tie_weights: bool, strict: bool) -
 
 def call(module: nn.Module, named: dict[str, Any], args, kwargs, rebind=None) -> Any:
     """``module`` called with the ``named`` slots swapped in; with ``rebind``, each checkpoint
-    region in which a module is called recomputes inside ``rebind()``. A tensor the module
-    would read from itself on meta is refused where used (see ``_meta``)."""
+    region that uses a tensor requiring grad recomputes inside ``rebind()`` (see [Note:
+    activation checkpointing inside a funcshard call]). A tensor the module would read from
+    itself on meta is refused where used (see ``_meta``)."""
     named = guard_meta(module, named, args, kwargs)
     args = () if args is None else args
     try:
-        if rebind is None:
-            return torch.func.functional_call(module, named, args, kwargs, tie_weights=False)
-        with binding_regions(rebind):
-            return torch.func.functional_call(module, named, args, kwargs, tie_weights=False)
+        slots = named if rebind is None else watching(named, rebind)
+        return torch.func.functional_call(module, slots, args, kwargs, tie_weights=False)
     except RuntimeError as e:  # name a dtype mismatch of the inputs, if that is what it was
         floating = {v.dtype for v in named.values() if isinstance(v, torch.Tensor)}
         hint = input_dtype_hint(args, kwargs, {d for d in floating if d.is_floating_point})

@@ -20,8 +20,10 @@ single all-gather per group in backward that saved tensors would trigger.
 A region is found when it runs: the innermost saved-tensor hooks during a checkpointed forward are
 the region's own, and their closure holds its frame. ``schedule`` looks when a parameter is
 resolved (every region that uses a parameter resolves one inside it); ``functional_call`` with
-plain tensors looks when a module is called inside the region. This file is the only place that
-relies on how ``torch.utils.checkpoint`` stores its frames (``tests/test_torch_private.py``).
+plain tensors does the same by passing the tensors that require grad as ``Deferred`` stand-ins
+that resolve to them (``watching``; eager grad mode only, nothing is registered on the module).
+This file is the only place that relies on how ``torch.utils.checkpoint`` stores its frames
+(``tests/test_torch_checkpoint.py``).
 
 ``use_reentrant=True`` checkpoints run their forward under ``no_grad`` and differentiate the
 recompute separately; they are refused (``check_not_reentrant``).
@@ -31,12 +33,14 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils import checkpoint as _ckpt
+
+from ._deferred import Deferred
 
 _Rebind = Callable[[], contextlib.AbstractContextManager]
 
@@ -83,23 +87,36 @@ def reparametrized(module: nn.Module, slots: dict[str, Any]) -> contextlib.Abstr
     return _reparametrize_module(module, slots, tie_weights=False, strict=False)
 
 
-@contextlib.contextmanager
-def binding_regions(rebind: _Rebind) -> Iterator[None]:
-    """While active, each checkpoint region in which a module is called is bound to ``rebind``
-    (for ``functional_call`` with plain tensors, which has no per-parameter interception)."""
+def watching(named: dict[str, Any], rebind: _Rebind) -> dict[str, Any]:
+    """``named`` with each tensor that requires grad replaced by a ``Deferred`` stand-in that
+    resolves to it, binding the checkpoint region it is resolved in to ``rebind``."""
+    watch = _Watch(named, rebind)
+    return {
+        k: Deferred(k, v.shape, v.dtype, v.device, watch)
+        if isinstance(v, torch.Tensor) and not isinstance(v, Deferred) and v.requires_grad
+        else v
+        for k, v in named.items()
+    }
 
-    def pre_hook(module: nn.Module, args: Any) -> None:
+
+class _Watch:
+    """The resolver of :func:`watching`'s stand-ins."""
+
+    sealed = None  # no recompute group here (see ``_deferred.Resolver``)
+
+    def __init__(self, named: dict[str, Any], rebind: _Rebind) -> None:
+        self.named, self.rebind = named, rebind
+
+    def resolve(self, fqns) -> list[torch.Tensor]:
         frame = current_frame()
         if frame is not None:
-            bind(frame, rebind)
+            bind(frame, self.rebind)
         else:
             check_not_reentrant()
+        return [self.named[f] for f in fqns]
 
-    handle = nn.modules.module.register_module_forward_pre_hook(pre_hook)
-    try:
-        yield
-    finally:
-        handle.remove()
+    def release(self) -> None:
+        pass
 
 
 def check_not_reentrant() -> None:
