@@ -268,9 +268,14 @@ def test_an_async_save_in_flight_at_exit_finishes_or_fails_loudly(tmp_path, dest
         )
         assert saved["step"] == 7 and torch.equal(saved["params"]["w"], torch.ones(64, 8))
         return
-    # destroyed under it: nothing committed, and every rank says so with exit code 1
-    assert [p.returncode for p in ranks] == [1, 1], errs
-    assert all("were not saved" in e and "ckpt" in e for e in errs), errs
+    # destroyed under it: nothing committed, and a rank whose part was cut off says so with
+    # exit code 1. A rank whose part finished while destroy_process_group was still waiting for
+    # the save's group sees an intact group and exits 0 (its part is written); which rank that is
+    # depends on timing, but never all of them: the commit needs every rank.
+    codes = [p.returncode for p in ranks]
+    assert 1 in codes and set(codes) <= {0, 1}, errs
+    loud = [e for c, e in zip(codes, errs, strict=True) if c]
+    assert all("were not saved" in e and "ckpt" in e for e in loud), errs
     assert fs.checkpoint.latest(tmp_path) is None
 
 
