@@ -39,6 +39,7 @@ _METADATA = {
 
 
 _DEVICE = torch.Tensor.device.__get__
+_CONTAINERS = (list, tuple, dict)  # what may hold a Deferred inside an argument
 _DATA = torch.Tensor.data.__get__
 
 
@@ -114,6 +115,13 @@ class Deferred(torch.Tensor):
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if not kwargs and not any(isinstance(a, _CONTAINERS) for a in args):
+            # the common case (``F.linear(x, w, b)``, ``x * w``): no tree to flatten
+            real, resolvers = resolve_all(args)
+            try:
+                return func(*real)  # no Deferred left: no recursion
+            finally:
+                release_all(resolvers)
         leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
         real, resolvers = resolve_all(leaves)
         try:

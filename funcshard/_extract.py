@@ -11,6 +11,7 @@ state that changes behaviour later.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import weakref
 from collections.abc import Mapping, Sequence
@@ -28,6 +29,49 @@ from ._torch_checkpoint import reparametrized, watching
 _ALIASES: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
 
 
+@dataclasses.dataclass(frozen=True)
+class Walk:
+    """One pass over a module tree, shared by the checks of a call.
+
+    [Note: one walk per call]
+    A call checks the module several ways (FSDP wrapping, ties, shapes, BatchNorm statistics)
+    and names one slot per (module, attribute). Each used to walk the module tree on its own
+    (``named_parameters``, ``named_buffers``, ``named_modules``, ``get_submodule`` per name): a
+    cost per module and per call that a host-bound step pays on every block. One walk collects
+    what all of them read; the module is walked again at each call, so a changed module is
+    seen.
+    """
+
+    modules: tuple[tuple[str, nn.Module], ...]  # every (prefix, module), shared ones repeated
+    tensors: tuple[tuple[str, torch.Tensor, bool], ...]  # (name, tensor, is a parameter)
+    slots: dict[str, tuple[int, str]]  # name -> (id of its owner module, attribute)
+
+    @staticmethod
+    def of(module: nn.Module) -> Walk:
+        modules = tuple(module.named_modules(remove_duplicate=False))
+        tensors, slots = [], {}
+        for prefix, m in modules:
+            dot = f"{prefix}." if prefix else ""
+            for attr, t in m._parameters.items():
+                if t is not None:
+                    tensors.append((dot + attr, t, True))
+                    slots[dot + attr] = (id(m), attr)
+            for attr, t in m._buffers.items():
+                if t is not None:
+                    tensors.append((dot + attr, t, False))
+                    slots[dot + attr] = (id(m), attr)
+        return Walk(modules, tuple(tensors), slots)
+
+    def aliases(self) -> dict[str, str]:
+        first: dict[int, str] = {}
+        out = {}
+        for name, t, _ in self.tensors:
+            canonical = first.setdefault(id(t), name)
+            if canonical != name:
+                out[name] = canonical
+        return out
+
+
 def extract(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The module's parameters and buffers as flat dicts ``fqn -> tensor`` (no copies).
 
@@ -40,11 +84,11 @@ def extract(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch
     return params, {k: v for k, v in module.named_buffers() if k not in recorded}
 
 
-def check_not_wrapped(module: nn.Module, fn: str) -> None:
+def check_not_wrapped(module: nn.Module, fn: str, walk: Walk | None = None) -> None:
     """Raises ``ValueError`` if ``module`` or a submodule is already sharded by FSDP."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
-    for fqn, m in module.named_modules():
+    for fqn, m in module.named_modules() if walk is None else walk.modules:
         if isinstance(m, FSDPModule | FullyShardedDataParallel):
             raise ValueError(
                 f"{fn}: module {fqn or '<root>'!r} ({type(m).__name__}) is already sharded by "
@@ -68,18 +112,13 @@ def _recorded_aliases(module: nn.Module) -> dict[str, str]:
 
 
 def _live_aliases(module: nn.Module) -> dict[str, str]:
-    first: dict[int, str] = {}
-    aliases = {}
-    for name, t in _named_tensors(module):
-        canonical = first.setdefault(id(t), name)
-        if canonical != name:
-            aliases[name] = canonical
-    return aliases
+    return Walk.of(module).aliases()
 
 
-def aliases(module: nn.Module) -> dict[str, str]:
+def aliases(module: nn.Module, walk: Walk | None = None) -> dict[str, str]:
     """``{alias: first name}`` for tied tensors, as recorded by :func:`extract` (or live)."""
-    return {**_live_aliases(module), **_ALIASES.get(module, {})}
+    live = (walk or Walk.of(module)).aliases()
+    return {**live, **_ALIASES.get(module, {})}
 
 
 def _fill_ties(alias: dict[str, str], given: Mapping[str, Any]) -> dict[str, Any]:
@@ -138,16 +177,21 @@ def functional_call(
             the module uses one of its own tensors that is on meta and not given, while the
             inputs are not on meta (see [Note: a tensor left on meta is never computed with]).
     """
-    check_not_wrapped(module, "functional_call")
-    named = slots(module, parameter_and_buffer_dicts, tie_weights, strict)
+    walk = Walk.of(module)
+    check_not_wrapped(module, "functional_call", walk)
+    named = slots(module, parameter_and_buffer_dicts, tie_weights, strict, walk)
     # see [Note: activation checkpointing inside a funcshard call]
     rebind = (lambda: reparametrized(module, named)) if eager_grad() else None
     return call(module, named, args, kwargs, rebind)
 
 
-def slots(module, parameter_and_buffer_dicts, tie_weights: bool, strict: bool) -> dict[str, Any]:
+def slots(
+    module, parameter_and_buffer_dicts, tie_weights: bool, strict: bool, walk: Walk | None = None
+) -> dict[str, Any]:
     """The dicts merged, ties filled, one name per (module, attribute) slot: what
-    ``torch.func.functional_call`` gets (see [Note: shared modules])."""
+    ``torch.func.functional_call`` gets (see [Note: shared modules]). ``walk``: the module's,
+    if the caller made it (see [Note: one walk per call])."""
+    walk = walk or Walk.of(module)
     dicts = (
         [parameter_and_buffer_dicts]
         if isinstance(parameter_and_buffer_dicts, Mapping)
@@ -161,11 +205,11 @@ def slots(module, parameter_and_buffer_dicts, tie_weights: bool, strict: bool) -
             f"{dups} appeared in multiple dictionaries; behavior of functional call is ambiguous"
         )
     if tie_weights:
-        given.update(_fill_ties(aliases(module), given))
+        given.update(_fill_ties(aliases(module, walk), given))
     if strict:
-        _check_strict(module, given)
-    _check_given(module, given)
-    return _one_per_slot(module, given)
+        _check_strict(module, given, walk)
+    _check_given(module, given, walk)
+    return _one_per_slot(module, given, walk)
 
 
 def call(module: nn.Module, named: dict[str, Any], args, kwargs, rebind=None) -> Any:
@@ -196,9 +240,9 @@ def eager_grad() -> bool:
     )
 
 
-def _check_strict(module: nn.Module, given: Mapping[str, Any]) -> None:
+def _check_strict(module: nn.Module, given: Mapping[str, Any], walk: Walk) -> None:
     """``strict=True``: every name of the module (shared and tied ones included), no other."""
-    names = {n for n, _ in _named_tensors(module)}
+    names = {n for n, _, _ in walk.tensors}
     missing, unexpected = sorted(names - set(given)), sorted(set(given) - names)
     errors = [f"Unexpected key(s): {', '.join(map(repr, unexpected))}."] if unexpected else []
     errors += [f"Missing key(s): {', '.join(map(repr, missing))}."] if missing else []
@@ -215,22 +259,27 @@ def _named_tensors(module: nn.Module):
     )
 
 
-def _one_per_slot(module: nn.Module, named: Mapping[str, Any]) -> dict[str, Any]:
+def _one_per_slot(
+    module: nn.Module, named: Mapping[str, Any], walk: Walk | None = None
+) -> dict[str, Any]:
     """``named`` without the names that reach an already-named (module, attribute) slot."""
+    slots = (walk or Walk.of(module)).slots
     seen, out = set(), {}
     for name, value in named.items():
-        prefix, _, attr = name.rpartition(".")
-        try:
-            owner = module.get_submodule(prefix)
-        except AttributeError:  # unknown: torch reports it
-            owner = name
-        if (id(owner), attr) not in seen:
-            seen.add((id(owner), attr))
+        slot = slots.get(name)
+        if slot is None:  # not a tensor slot of the module (yet): by its owner module
+            prefix, _, attr = name.rpartition(".")
+            try:
+                slot = (id(module.get_submodule(prefix)), attr)
+            except AttributeError:  # unknown: torch reports it
+                slot = (name, attr)
+        if slot not in seen:
+            seen.add(slot)
             out[name] = value
     return out
 
 
-def _check_given(module: nn.Module, given: Mapping[str, Any]) -> None:
+def _check_given(module: nn.Module, given: Mapping[str, Any], walk: Walk) -> None:
     """[Note: what functional_call checks]
     The module (on meta too) knows every parameter's and buffer's global shape, so a value of
     another shape -- a tree extracted from another configuration, a shard passed where the
@@ -244,21 +293,21 @@ def _check_given(module: nn.Module, given: Mapping[str, Any]) -> None:
     at trace time only.
     """
     dtypes: dict[torch.dtype, str] = {}
-    params = dict(module.named_parameters(remove_duplicate=False))
-    for name, own in _named_tensors(module):  # tensors left on meta: see _meta (where used)
+    for name, own, is_param in walk.tensors:  # tensors left on meta: see _meta (where used)
         value = given.get(name)
         if not isinstance(value, torch.Tensor):
             continue
-        if value.shape != own.shape:
+        shape, dtype = metadata(value)
+        if shape != own.shape:
             owner = type(module.get_submodule(name.rpartition(".")[0])).__name__
             raise ValueError(
-                f"functional_call: {name!r} has shape {list(value.shape)}, but the module's "
-                f"{'parameter' if name in params else 'buffer'} {name!r} ({owner}) has "
+                f"functional_call: {name!r} has shape {list(shape)}, but the module's "
+                f"{'parameter' if is_param else 'buffer'} {name!r} ({owner}) has "
                 f"{list(own.shape)}. Pass the full tensors of this configuration (fs.unshard "
                 "the shards of fs.extract(module) for this very module)."
             )
-        if name in params and value.is_floating_point():
-            dtypes.setdefault(value.dtype, name)
+        if is_param and dtype.is_floating_point:
+            dtypes.setdefault(dtype, name)
     if torch.float64 in dtypes and len(dtypes) > 1:
         wide = dtypes.pop(torch.float64)
         other, narrow = next(iter(dtypes.items()))
@@ -268,11 +317,18 @@ def _check_given(module: nn.Module, given: Mapping[str, Any]) -> None:
             "before extracting it (model.to(torch.float32)), or compute in one dtype with "
             "param_dtype=."
         )
-    _check_batchnorm(module, given)
+    _check_batchnorm(given, walk)
 
 
-def _check_batchnorm(module: nn.Module, given: Mapping[str, Any]) -> None:
-    for prefix, m in module.named_modules():
+def metadata(t: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
+    """``(t.shape, t.dtype)``, without a subclass's ``__torch_function__`` (a ``Deferred``
+    answers these itself, at a dispatch per query)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.shape, t.dtype
+
+
+def _check_batchnorm(given: Mapping[str, Any], walk: Walk) -> None:
+    for prefix, m in walk.modules:
         if not (isinstance(m, nn.modules.batchnorm._NormBase) and m.training):
             continue
         stats = given.get(f"{prefix}.running_mean" if prefix else "running_mean")

@@ -78,7 +78,7 @@ from . import _compile, _flat, _parallel, _recompute, _sink
 from ._collectives import Notify, async_allowed
 from ._consensus import agree, cached_digest, failing, leaf
 from ._deferred import Deferred
-from ._extract import aliases, call, check_not_wrapped, eager_grad, slots
+from ._extract import Walk, aliases, call, check_not_wrapped, eager_grad, slots
 from ._plan import Plan, Step
 from ._profiling import span
 from ._spec import LocalShard, as_locals, check_materialized
@@ -129,8 +129,9 @@ def schedule(
             params = _check_tree(sharded, group_of, unplanned)
             run = _Run(plan, sharded, _flat.Options("", param_dtype, reduce_dtype, mean))
             deferred = {fqn: Deferred(fqn, *run.metadata(fqn), run) for fqn in group_of}
-            check_not_wrapped(module, "functional_call")
-            named = slots(module, ({**params, **deferred}, buffers or {}), True, False)
+            walk = Walk.of(module)  # see [Note: one walk per call] in _extract
+            check_not_wrapped(module, "functional_call", walk)
+            named = slots(module, ({**params, **deferred}, buffers or {}), True, False, walk)
         run.bind_regions(module, named)
         with run.saved_tensor_hooks(), _recompute.recomputing(recomputed), _naming_freed(run):
             out = call(module, named, args, kwargs)
