@@ -36,6 +36,12 @@ class _MirrorStore(dist.Store):
     def multi_get(self, keys) -> list[bytes]:
         return [self.last] * len(keys)
 
+    def check(self, keys) -> bool:
+        return True
+
+    def delete_key(self, key: str) -> bool:
+        return True
+
 
 @contextlib.contextmanager
 def fake_world(world: int, rank: int = 0) -> Iterator[DeviceMesh]:
@@ -44,8 +50,13 @@ def fake_world(world: int, rank: int = 0) -> Iterator[DeviceMesh]:
 
     store = _MirrorStore()  # referenced until the group is destroyed (c10d keeps no Python ref)
     dist.init_process_group("fake", store=store, rank=rank, world_size=world)
+    # c10d wraps the store in a (C++) PrefixStore, whose calls reach only the methods c10d's
+    # Python trampoline forwards (not delete_key): the exchange gets the mirror itself
+    c10d = dist.distributed_c10d
+    default_store, c10d._get_default_store = c10d._get_default_store, lambda s=store: s
     try:
         yield init_device_mesh("cpu", (world,))
     finally:
+        c10d._get_default_store = default_store
         dist.destroy_process_group()
         del store

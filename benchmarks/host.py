@@ -9,6 +9,12 @@ the root) the peer; funcshard ``fs.schedule`` + ``fs.value_and_grad`` + ``fs.opt
 one group per block. Wall time per step and the step thread's CPU time, medians over rounds.
 
     OMP_NUM_THREADS=1 python -m benchmarks.host           # prints a table, writes host.json
+    OMP_NUM_THREADS=1 python -m benchmarks.host --world 8 # 8 ranks over a fake process group
+
+With ``--world N`` (N > 1) the step runs in one process over torch's fake process group
+(``fake.py``: collectives return at once, moving nothing): the host's cost per block of the
+multi-rank path (copy-in, collectives issued, copy-out, reduce-scatter), which one real rank
+does not have (a mesh of one rank gathers nothing).
 """
 
 from __future__ import annotations
@@ -143,11 +149,8 @@ def funcshard(layers: int, mesh):
 FRAMEWORKS = {"plain torch": plain, "FSDP2": fsdp2, "funcshard": funcshard}
 
 
-def measure(depths=(4, 16), rounds: int = 30, warmup: int = 5) -> dict[str, Any]:
+def measure(mesh, depths=(4, 16), rounds: int = 30, warmup: int = 5) -> dict[str, Any]:
     """Median wall and thread-CPU ms per step for each framework and depth, alternating."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (1,))
     tokens = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
     steps = {(name, d): make(d, mesh) for name, make in FRAMEWORKS.items() for d in depths}
     wall: dict[Any, list[float]] = {k: [] for k in steps}
@@ -183,21 +186,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--world", type=int, default=1, help="> 1: a fake process group")
     args = parser.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        result = measure(rounds=3 if args.quick else args.rounds, warmup=1 if args.quick else 5)
-    finally:
-        dist.destroy_process_group()
+    rounds = dict(rounds=3 if args.quick else args.rounds, warmup=1 if args.quick else 5)
+    if args.world > 1:
+        from .fake import fake_world
+
+        with fake_world(args.world) as mesh:
+            result = measure(mesh, **rounds)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        try:
+            result = measure(init_device_mesh("cpu", (1,)), **rounds)
+        finally:
+            dist.destroy_process_group()
+    result["world"] = args.world
     result["machine"] = harness.machine(torch.device("cpu"))
     print(f"{'':14}{'ms/block':>10}{'cpu ms/block':>14}{'x FSDP2':>9}{'x plain':>9}")
     for name, row in result["rows"].items():
         print(f"{name:14}{row['ms_per_block']:10.3f}{row['cpu_ms_per_block']:14.3f}"
               f"{row['per_block_vs_fsdp2']:9.2f}{row['per_block_vs_plain']:9.2f}")  # fmt: skip
     if not args.quick:
-        harness.write("host", result)
+        harness.write("host" if args.world == 1 else f"host-fake{args.world}", result)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import _sink, _spec
-from ._compile import compiling, traced
+from ._compile import traced
+from ._mode import Mode
 from ._spec import LocalShard
 from ._tree import flatten, unflatten
 from .transforms._unshard import unshard
@@ -54,7 +55,7 @@ def value_and_grad(
         args = list(args)
         rebuild, inputs, inputs_leaves = [], [], []
         direct: dict[int, tuple[DTensor, torch.Tensor]] = {}
-        plain = torch._C._functorch.peek_interpreter_stack() is None and not compiling()
+        plain = Mode.now().plain
         for n in nums:
             paths, leaves, spec = flatten(args[n])
             wanted = _differentiated(paths, leaves)

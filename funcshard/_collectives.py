@@ -44,8 +44,11 @@ on a stream of its own, so that it overlaps compute too.
 [Note: one rank communicates nothing]
 Over a mesh dim of one rank an all-gather returns its input, a reduce-scatter or all-reduce its
 input in the reduce dtype (the mean over one rank is the value itself): no collective is
-issued, as FSDP2 does at world size 1, and the rest (casts, copy-in, autograd nodes, the plan's
-steps) is unchanged, so values and dtypes are those of the collective.
+issued, as FSDP2 does at world size 1, and values and dtypes are those of the collective. A
+bucket whose mesh dims all have one rank (world size 1; a mesh dim of size 1 in HSDP) skips the
+flat buffer too: each full tensor is :class:`OneRank` of its shard -- the shard itself, or its
+cast to the compute dtype -- so the scheduler never frees or refills what is the shard's own
+memory.
 
 [Note: collectives under torch.compile]
 While ``torch.compile`` traces (see [Note: funcshard under torch.compile] in ``_compile``), the
@@ -129,13 +132,6 @@ def wait(t: torch.Tensor) -> torch.Tensor:
     if donated is not None:
         donated.untyped_storage().resize_(0)
     return t
-
-
-def async_allowed() -> bool:
-    """Whether collectives issued here may return pending tensors (see [Note: pending tensors])."""
-    if compiling():  # see [Note: collectives under torch.compile]
-        return False
-    return torch._C._functorch.peek_interpreter_stack() is None and not torch.is_anomaly_enabled()
 
 
 def _reduce_input(x: torch.Tensor, comm: Comm, donated: bool) -> tuple[torch.Tensor, bool]:
@@ -441,6 +437,34 @@ class AllGather(_Function):
         moved = [_moved(p, d, info.batch_size) for p, d in zip(pieces, in_dims[3:], strict=True)]
         replicas = tuple(r.synchronous() for r in replicas)
         return AllGather.apply(comm.batched(), replicas, None, *moved), 0
+
+
+class OneRank(_Function):
+    """The all-gather over mesh dims of one rank each: ``x`` in ``comm.gather_dtype`` (a view
+    of ``x`` when no cast is needed); backward: the gradient in ``comm.reduce_dtype``, then in
+    ``x``'s dtype, as the reduce-scatter over one rank returns it. No flat buffer, no copy (see
+    [Note: one rank communicates nothing])."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+        dtype = comm.gather_dtype or x.dtype
+        return x.view_as(x) if x.dtype == dtype else x.to(dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.comm, ctx.dtype = inputs[1], inputs[0].dtype
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.to(ctx.comm.reduce_dtype or g.dtype).to(ctx.dtype), None
+
+    @staticmethod
+    def jvp(ctx, t, _):
+        return OneRank.apply(t, ctx.comm)
+
+    @staticmethod
+    def vmap(info, in_dims, x, comm):
+        return OneRank.apply(x, comm), in_dims[0]
 
 
 class ReduceScatter(_Function):

@@ -253,12 +253,6 @@ def after_last_wait(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t + zero.to(t.dtype) for t in tensors]
 
 
-def traced_autograd() -> bool:
-    """Whether plain autograd is being traced by ``torch.compile`` (not inside a ``torch.func``
-    transform, which refuses saved-tensor hooks)."""
-    return compiling() and torch._C._functorch.peek_interpreter_stack() is None
-
-
 def root(t: torch.Tensor) -> torch.Tensor:
     """The tensor whose storage ``t`` views (``t`` itself if it is no view)."""
     return t._base if t._is_view() else t

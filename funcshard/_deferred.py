@@ -23,7 +23,7 @@ from typing import Protocol
 import optree
 import torch
 
-from ._compile import untraced
+from ._compile import compiling, untraced
 
 # Answered from the placeholder's own (meta) metadata, without resolving.
 _METADATA = {
@@ -95,7 +95,10 @@ class Deferred(torch.Tensor):
 
     @staticmethod
     def __new__(cls, fqn: str, shape, dtype: torch.dtype, device, resolver: Resolver) -> Deferred:
-        with untraced():  # a plain meta tensor, also while torch.compile traces
+        if compiling():  # a plain meta tensor, also while torch.compile traces
+            with untraced():
+                placeholder = torch.empty(shape, dtype=dtype, device="meta")
+        else:
             placeholder = torch.empty(shape, dtype=dtype, device="meta")
         t = torch.Tensor._make_subclass(cls, placeholder)
         t._fqn, t._resolver, t._device = fqn, resolver, torch.device(device)

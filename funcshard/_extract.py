@@ -22,8 +22,8 @@ import torch
 import torch.func
 from torch import nn
 
-from ._compile import compiling
 from ._meta import guard as guard_meta
+from ._mode import Mode
 from ._torch_checkpoint import reparametrized, watching
 
 _ALIASES: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
@@ -233,11 +233,7 @@ def call(module: nn.Module, named: dict[str, Any], args, kwargs, rebind=None) ->
 def eager_grad() -> bool:
     """Grad mode in plain eager autograd: where ``torch.utils.checkpoint`` may run (not inside
     ``torch.func`` transforms, which refuse it, nor while ``torch.compile`` traces)."""
-    return (
-        torch.is_grad_enabled()
-        and torch._C._functorch.peek_interpreter_stack() is None
-        and not compiling()
-    )
+    return torch.is_grad_enabled() and Mode.now().plain
 
 
 def _check_strict(module: nn.Module, given: Mapping[str, Any], walk: Walk) -> None:

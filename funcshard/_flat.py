@@ -30,7 +30,8 @@ import torch
 from torch.distributed.tensor import Shard
 
 from . import _collectives as C
-from ._compile import compiling, traced_autograd
+from ._compile import compiling
+from ._mode import Mode
 from ._spec import ShardSpec
 
 
@@ -112,13 +113,42 @@ class _Level:
 
 
 @dataclasses.dataclass(frozen=True)
+class Bucket:
+    """One bucket of a lowered gather: its leaves and the collectives that gather them.
+
+    ``comms``: one per sharded mesh dim, in the order they are gathered (see [Note: order of
+    mesh dims]; only the first may be asynchronous); ``replicas``: the replicated mesh dims
+    (HSDP), reduced in the backward; ``local``: every mesh dim has one rank (see [Note: a mesh
+    of one rank gathers nothing] in ``_collectives``)."""
+
+    index: tuple[int, ...]
+    layouts: tuple[Layout, ...]
+    sharded: tuple[int, ...]  # the sharded mesh dims
+    comms: tuple[C.Comm, ...]
+    replicas: tuple[C.Comm, ...]
+    out_dtype: torch.dtype
+    local: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowered:
+    """A group's gather for one structure of its leaves (layouts, dtypes), lowered once for
+    one execution mode: its buckets and their collectives. See :func:`lower`."""
+
+    buckets: tuple[Bucket, ...]
+    count: int
+    opts: Options
+    mode: Mode
+    flat_dtypes: tuple[torch.dtype, ...]  # each leaf's copy-in dtype (see [Note: flat dtype])
+    local: bool  # every bucket is local: nothing is ever pending
+
+
+@dataclasses.dataclass(frozen=True)
 class _Started:
     """One bucket's gather, issued."""
 
-    index: list[int]
-    layouts: list[Layout]
-    state: _Level | list[torch.Tensor]  # a pending gather, or (replicated only) the results
-    out_dtype: torch.dtype
+    bucket: Bucket
+    state: _Level | list[torch.Tensor]  # a pending gather, or (nothing to gather) the results
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +157,6 @@ class Inflight:
 
     buckets: list[_Started]
     count: int
-    opts: Options
 
 
 def _comm(layout: Layout, mesh_dim: int, opts: Options, dtype, async_op: bool) -> C.Comm:
@@ -152,11 +181,11 @@ def _mesh_dims(layout: Layout) -> tuple[list[int], list[int]]:
     return sharded, [i for i in range(len(placements)) if i not in sharded]
 
 
-def _buckets(tensors: Sequence[torch.Tensor], layouts: Sequence[Layout]) -> list[list[int]]:
+def _buckets(dtypes: Sequence[torch.dtype], layouts: Sequence[Layout]) -> list[list[int]]:
     keys: dict[tuple, list[int]] = {}
-    for i, (t, lay) in enumerate(zip(tensors, layouts, strict=True)):
+    for i, (dtype, lay) in enumerate(zip(dtypes, layouts, strict=True)):
         kinds = tuple(isinstance(p, Shard) for p in lay.spec.placements)
-        keys.setdefault((lay.spec.mesh, kinds, t.dtype), []).append(i)
+        keys.setdefault((lay.spec.mesh, kinds, dtype), []).append(i)
     return list(keys.values())
 
 
@@ -193,7 +222,7 @@ def _split(flat: torch.Tensor, shapes, dims, sizes) -> list[torch.Tensor]:
     return out
 
 
-def _start_level(xs, layouts, mesh_dim: int, comm: C.Comm, replicas=()) -> _Level:
+def _start_level(xs, layouts, mesh_dim: int, comm: C.Comm, replicas=(), early=False) -> _Level:
     """Pad; under plain autograd also issue the all-gather of one mesh dim.
 
     [Note: issue early, record late]
@@ -208,8 +237,9 @@ def _start_level(xs, layouts, mesh_dim: int, comm: C.Comm, replicas=()) -> _Leve
     dims = [lay.dim(mesh_dim) for lay in layouts]
     sizes = [lay.levels[mesh_dim][d] for lay, d in zip(layouts, dims, strict=True)]
     padded = [_pad(x, d, -(-n // comm.world)) for x, d, n in zip(xs, dims, sizes, strict=True)]
-    # under torch.compile, issued early too: see [Note: collectives under torch.compile]
-    started = C.start_all_gather(comm, padded) if comm.async_op or traced_autograd() else None
+    # ``early``: under torch.compile, issued early too (see [Note: collectives under
+    # torch.compile])
+    started = C.start_all_gather(comm, padded) if comm.async_op or early else None
     if all(x.numel() == 0 for x in xs):
         # [Note: empty shards are reduced synchronously]
         # A pending gradient is waited where it reaches a wait node, found by its storage. If all
@@ -289,7 +319,31 @@ def _flat_dtype(opts: Options, dtype: torch.dtype) -> torch.dtype:
     return gather if (opts.reduce_dtype or gather) == gather else dtype
 
 
-def arm(tensors: Sequence[torch.Tensor], opts: Options) -> list[torch.Tensor]:
+def lower(
+    dtypes: Sequence[torch.dtype], layouts: Sequence[Layout], opts: Options, mode: Mode
+) -> Lowered:
+    """The gather of leaves of ``dtypes`` (their local shards') and ``layouts``, lowered once
+    for ``mode``: buckets, collectives and dtypes depend on the structure alone."""
+    flat = tuple(_flat_dtype(opts, d) for d in dtypes)
+    buckets = []
+    for idx in _buckets(flat, layouts):
+        lays = tuple(layouts[i] for i in idx)
+        out_dtype = opts.param_dtype or dtypes[idx[0]]
+        sharded, replicated = _mesh_dims(lays[0])
+        comms = tuple(  # see [Note: order of mesh dims]
+            _comm(lays[0], m, opts, out_dtype, mode.asynchronous and j == 0)
+            for j, m in enumerate(reversed(sharded))
+        )
+        replicas = tuple(
+            _comm(lays[0], r, opts, flat[idx[0]], mode.asynchronous) for r in replicated
+        )
+        local = all(c.world == 1 for c in (*comms, *replicas))
+        buckets.append(Bucket(tuple(idx), lays, tuple(sharded), comms, replicas, out_dtype, local))
+    local = all(b.local for b in buckets)
+    return Lowered(tuple(buckets), len(dtypes), opts, mode, flat, local)
+
+
+def arm(tensors: Sequence[torch.Tensor], lowered: Lowered) -> list[torch.Tensor]:
     """Cast shards to their copy-in dtype and, under plain autograd, put a wait node on them
     (``Notify`` with ``waiting``): where the backward reduce-scatter of these shards is waited.
 
@@ -297,45 +351,42 @@ def arm(tensors: Sequence[torch.Tensor], opts: Options) -> list[torch.Tensor]:
     current one starts) places that wait after the current group's backward, whatever the
     prefetch: see [Note: pending tensors] in ``_collectives``. Nothing between that node and
     the all-gather reads the gradient (only pads, concatenations and views), which is why the
-    cast comes first.
+    cast comes first. A local group has nothing pending: no wait node.
     """
-    cast = [x.to(_flat_dtype(opts, x.dtype)) for x in tensors]
-    if not C.async_allowed() or not torch.is_grad_enabled():
+    cast = [x.to(d) for x, d in zip(tensors, lowered.flat_dtypes, strict=True)]
+    if not lowered.mode.asynchronous or lowered.local or not torch.is_grad_enabled():
         return cast
-    return list(C.Notify.apply(C.waiting(opts.label), *cast))
+    return list(C.Notify.apply(C.waiting(lowered.opts.label), *cast))
 
 
 def issue(
-    tensors: Sequence[torch.Tensor],
-    layouts: Sequence[Layout],
-    opts: Options,
-    armed: Sequence[torch.Tensor] | None = None,
+    tensors: Sequence[torch.Tensor], lowered: Lowered, armed: Sequence[torch.Tensor] | None = None
 ) -> Inflight:
-    """Start gathering ``tensors`` (logical local shards) to their full logical shapes.
+    """Start gathering ``tensors`` (logical local shards) to their full logical shapes, as
+    ``lowered`` says.
 
     ``armed``: the result of :func:`arm` for these tensors, if already made. Under plain
     autograd each bucket's first all-gather is left pending; :func:`finish` waits.
     """
-    async_op = C.async_allowed()
-    out_dtypes = [opts.param_dtype or t.dtype for t in tensors]
-    tensors = list(armed) if armed is not None else arm(tensors, opts)
+    tensors = list(armed) if armed is not None else arm(tensors, lowered)
+    early = lowered.mode is Mode.TRACED
     started = []
-    for idx in _buckets(tensors, layouts):
-        xs, lays = [tensors[i] for i in idx], [layouts[i] for i in idx]
-        sharded, replicated = _mesh_dims(lays[0])
-        first = sharded[-1] if sharded else replicated[0]  # see [Note: order of mesh dims]
-        comm = _comm(lays[0], first, opts, out_dtypes[idx[0]], async_op)
-        replicas = [_comm(lays[0], r, opts, xs[0].dtype, async_op) for r in replicated]
-        if sharded:
-            state: _Level | list[torch.Tensor] = _start_level(xs, lays, first, comm, replicas)
+    for b in lowered.buckets:
+        xs = [tensors[i] for i in b.index]
+        state: _Level | list[torch.Tensor]
+        if b.local:  # see [Note: one rank communicates nothing] in _collectives
+            comm = b.comms[0] if b.comms else b.replicas[0]
+            state = [C.OneRank.apply(x, comm) for x in xs]
+        elif b.comms:
+            state = _start_level(xs, b.layouts, b.sharded[-1], b.comms[0], b.replicas, early)
         else:
             flat = torch.cat([x.reshape(-1) for x in xs])
-            for b in replicas:
-                flat = C.Broadcast.apply(flat, b)
+            for r in b.replicas:
+                flat = C.Broadcast.apply(flat, r)
             none = [None] * len(xs)
             state = _split(flat, [tuple(x.shape) for x in xs], none, none)
-        started.append(_Started(idx, lays, state, out_dtypes[idx[0]]))
-    return Inflight(started, len(tensors), opts)
+        started.append(_Started(b, state))
+    return Inflight(started, len(tensors))
 
 
 def wait_transfers(inflight: Inflight) -> None:
@@ -356,14 +407,14 @@ def finish(inflight: Inflight, into: Sequence[torch.Tensor] | None = None) -> li
     ``no_grad``, keeping their version counters: a re-gather refilling freed storage).
     """
     out: list[torch.Tensor | None] = [None] * inflight.count
-    for b in inflight.buckets:
+    for started in inflight.buckets:
+        b = started.bucket
         targets = None if into is None else [into[i] for i in b.index]
-        fulls = b.state
+        fulls = started.state
         if isinstance(fulls, _Level):
-            more = _mesh_dims(b.layouts[0])[0][:-1]  # further sharded mesh dims: synchronous
+            more = b.sharded[:-1]  # further sharded mesh dims: synchronous
             fulls = _finish_level(fulls, None if more else targets)
-            for m in reversed(more):
-                comm = _comm(b.layouts[0], m, inflight.opts, fulls[0].dtype, False)
+            for m, comm in zip(reversed(more), b.comms[1:], strict=True):
                 level = _start_level(fulls, b.layouts, m, comm)
                 fulls = _finish_level(level, targets if m == more[0] else None)
         elif targets is not None:
@@ -375,7 +426,8 @@ def finish(inflight: Inflight, into: Sequence[torch.Tensor] | None = None) -> li
 
 def gather(tensors: Sequence[torch.Tensor], layouts: Sequence[Layout], opts: Options):
     """All-gather ``tensors`` to full tensors: :func:`issue` then :func:`finish`."""
-    return finish(issue(tensors, layouts, opts))
+    lowered = lower([t.dtype for t in tensors], layouts, opts, Mode.now())
+    return finish(issue(tensors, lowered))
 
 
 def scatter(
@@ -390,7 +442,7 @@ def scatter(
     all-reduce of the (smallest) flat result over replicated mesh dims. Synchronous.
     """
     out: list[torch.Tensor | None] = [None] * len(fulls)
-    for idx in _buckets(fulls, layouts):
+    for idx in _buckets([t.dtype for t in fulls], layouts):
         xs, lays = [fulls[i] for i in idx], [layouts[i] for i in idx]
         sharded, replicated = _mesh_dims(lays[0])
         red = _comm(lays[0], 0, opts, xs[0].dtype, False).reduce_dtype

@@ -1,8 +1,9 @@
 """``schedule``: run a module on sharded parameters, one group at a time, following a Plan.
 
-The plan (``_plan.py``) says what happens; this file only follows it. Per call, a ``_Run``
-keeps the state of each group (sharded, gather in flight, unsharded, freed) and two cursors,
-one over the plan's forward steps and one over its backward steps:
+The plan (``_plan.py``) says what happens; this file only follows it, lowered once per
+structure and execution mode (``_program.py``: [Note: the plan lowered]). Per call, a ``_Run``
+keeps the state of each group (sharded, in flight, unsharded, freed: [Note: a group's states])
+and two cursors, one over the lowered forward and one over the lowered backward:
 
 * forward: the module gets :class:`~funcshard._deferred.Deferred` parameters; the first use of
   a parameter of the next planned group moves the forward cursor there, executing the steps on
@@ -64,6 +65,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import enum
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -74,11 +76,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from . import _compile, _flat, _parallel, _recompute, _sink
-from ._collectives import Notify, async_allowed
+from . import _compile, _flat, _parallel, _program, _recompute, _sink
+from ._collectives import Notify
 from ._consensus import agree, cached_digest, failing, leaf
 from ._deferred import Deferred
-from ._extract import Walk, aliases, call, check_not_wrapped, eager_grad, slots
+from ._extract import Walk, aliases, call, check_not_wrapped, slots
+from ._mode import Mode
 from ._plan import Plan, Step
 from ._profiling import span
 from ._spec import LocalShard, as_locals, check_materialized
@@ -127,7 +130,8 @@ def schedule(
     def apply(sharded: Mapping[str, Any], *args: Any, buffers=None, **kwargs: Any) -> Any:
         with failing("schedule"):  # see [Note: one status per call] in _consensus
             params = _check_tree(sharded, group_of, unplanned)
-            run = _Run(plan, sharded, _flat.Options("", param_dtype, reduce_dtype, mean))
+            options = _flat.Options("", param_dtype, reduce_dtype, mean)
+            run = _Run(plan, sharded, options, Mode.now())
             deferred = {fqn: Deferred(fqn, *run.metadata(fqn), run) for fqn in group_of}
             walk = Walk.of(module)  # see [Note: one walk per call] in _extract
             check_not_wrapped(module, "functional_call", walk)
@@ -194,12 +198,22 @@ def _check_tree(sharded, group_of, unplanned) -> dict[str, Any]:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Static:
-    """What a call computes from its tree's structure alone: the layouts (in the plan's order
-    of parameters) and each group's options. See [Note: per-structure state of a call]."""
+class _GroupStatic:
+    """One group's part of :class:`_Static`: its leaves' layouts and specs, and its gather
+    lowered for the call's mode (``_flat.lower``)."""
 
     layouts: tuple[_flat.Layout, ...]
-    options: dict[str, _flat.Options]
+    specs: tuple
+    lowered: _flat.Lowered
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """What a call computes from its tree's structure alone: each group's layouts and lowered
+    gather. See [Note: per-structure state of a call]."""
+
+    groups: dict[str, _GroupStatic]
+    program: _program.Program  # the plan lowered for the mode and the frozen groups
     agreement: tuple  # agree's arguments, and the digest (checked at every call)
 
 
@@ -207,13 +221,14 @@ _STATIC: collections.OrderedDict[tuple, _Static] = collections.OrderedDict()
 _STATIC_SIZE = 64  # structures remembered per process (least recently used dropped)
 
 
-def _static(plan: Plan, names, locals_, specs, opts: _flat.Options) -> _Static:
-    """The layouts and group options of a call, checked (materialised shards, ranks agree).
+def _static(plan: Plan, names, locals_, specs, opts: _flat.Options, mode: Mode) -> _Static:
+    """The layouts and lowered gathers of a call, checked (materialised shards, ranks agree).
 
     [Note: per-structure state of a call]
     Per call, ``schedule`` needs each parameter's ``Layout`` (its spec's shapes per mesh dim,
-    checked against the local shard), each group's options and the ranks' agreement on the
-    structure (see ``_consensus``). These depend only on the plan, the options, and per leaf on
+    checked against the local shard), each group's gather lowered for the execution mode
+    (buckets, collectives, dtypes) and the ranks' agreement on the structure (see
+    ``_consensus``). These depend only on the plan, the options, the mode, and per leaf on
     the spec, local shape, dtype, device and ``requires_grad``: that tuple is the cache key,
     together with the default process group and the identity of each mesh (an equal mesh of
     another process group must not reuse a layout holding the old mesh, whose groups the
@@ -223,14 +238,14 @@ def _static(plan: Plan, names, locals_, specs, opts: _flat.Options) -> _Static:
     a dropped structure is checked again when it comes back.
     """
     key = None
-    if not _compile.compiling():
+    if not mode.traced:
         leaves = tuple(
             (s, t.dtype, t.requires_grad, t.shape, t.device)
             for s, t in zip(specs, locals_, strict=True)
         )
         meshes = tuple(dict.fromkeys(id(s.mesh) for s in specs))
         world = dist.group.WORLD if dist.is_initialized() else None
-        key = (plan, opts, world, meshes, leaves)
+        key = (plan, opts, mode, world, meshes, leaves)
         found = _STATIC.get(key)
         if found is not None:
             _STATIC.move_to_end(key)
@@ -244,16 +259,22 @@ def _static(plan: Plan, names, locals_, specs, opts: _flat.Options) -> _Static:
     agreement = (entries, (*opts.key(), ("plan", plan)))
     agreement = (*agreement, None, cached_digest("schedule", *agreement))
     agree("schedule", *agreement)
-    options = {
-        g.name: _flat.Options(
+    names_grad = {p: t.requires_grad for p, t in zip(names, locals_, strict=True)}
+    groups, at = {}, 0
+    for g in plan.groups:
+        n = len(g.params)
+        options = _flat.Options(
             g.name,
             g.param_dtype or opts.param_dtype,
             g.reduce_dtype or opts.reduce_dtype,
             opts.mean,
         )
-        for g in plan.groups
-    }
-    static = _Static(layouts, options, agreement)
+        dtypes = [t.dtype for t in locals_[at : at + n]]
+        lowered = _flat.lower(dtypes, layouts[at : at + n], options, mode)
+        groups[g.name] = _GroupStatic(layouts[at : at + n], tuple(specs[at : at + n]), lowered)
+        at += n
+    frozen = frozenset(g.name for g in plan.groups if not any(names_grad[p] for p in g.params))
+    static = _Static(groups, _program.lower(plan, mode, frozen), agreement)
     if key is not None:
         while _STATIC and len(_STATIC) >= _STATIC_SIZE:
             _STATIC.popitem(last=False)
@@ -270,46 +291,83 @@ class _Saved:
         self.group, self.tensor, self.raw = group, tensor, raw  # raw: the gather it came from
 
 
-class _Group:
-    """One group's state in one call: sharded -> in flight -> unsharded -> freed -> ..."""
+class State(enum.Enum):
+    """Where one group is in one call (see [Note: a group's states])."""
 
-    def __init__(self, name, leaves, locals_, layouts, opts: _flat.Options, specs) -> None:
-        self.name, self.leaves, self.locals, self.layouts = name, leaves, locals_, layouts
-        self.specs = specs  # FSDP x TP: the module computes with DTensors of spec.model()
-        self.opts = opts
+    SHARDED = "sharded"  # not gathered in this call yet
+    IN_FLIGHT = "in flight"  # a gather issued, not waited
+    UNSHARDED = "unsharded"  # the full tensors are usable
+    FREED = "freed"  # the full tensors' storage is released, their autograd history kept
+
+
+# [Note: a group's states]
+# A group starts SHARDED. Gathering it moves it to IN_FLIGHT (issued, a prefetch) and waiting
+# to UNSHARDED; freeing it (after its forward, under plain autograd or a trace) to FREED, from
+# which a re-gather goes IN_FLIGHT again and refills the same tensors. A prefetch that is never
+# waited for is finished and dropped (back to SHARDED, or FREED). Any other move is a bug in the
+# executor and raises at once, naming the group and both states.
+_MOVES = {
+    (State.SHARDED, State.IN_FLIGHT),
+    (State.IN_FLIGHT, State.UNSHARDED),
+    (State.IN_FLIGHT, State.SHARDED),
+    (State.UNSHARDED, State.FREED),
+    (State.FREED, State.IN_FLIGHT),
+    (State.IN_FLIGHT, State.FREED),
+}
+
+
+class _Group:
+    """One group's state in one call (see [Note: a group's states])."""
+
+    def __init__(self, name, leaves, locals_, static: _GroupStatic, mode: Mode) -> None:
+        self.name, self.leaves, self.locals = name, leaves, locals_
+        self.layouts, self.specs = static.layouts, static.specs  # specs: FSDP x TP, see wrap
+        self.lowered, self.mode = static.lowered, mode
+        self.state = State.SHARDED
         self.inflight: _flat.Inflight | None = None
         self.armed: list[torch.Tensor] | None = None  # see _flat.arm
         self.raw: list[torch.Tensor] | None = None  # gathered tensors (storage owners)
         self.fulls: list[torch.Tensor] | None = None  # what the module computes with
         self.storages: list[tuple[torch.UntypedStorage, int]] = []
-        self.resident = False
         self.frozen = not any(t.requires_grad for t in locals_)
+
+    def _move(self, to: State) -> None:
+        if (self.state, to) not in _MOVES:
+            raise RuntimeError(
+                f"funcshard: internal error: group {self.name!r} cannot go from "
+                f"{self.state.value} to {to.value}. Please report it with the plan (print(plan))."
+            )
+        self.state = to
+
+    @property
+    def resident(self) -> bool:
+        return self.state is State.UNSHARDED
 
     @property
     def pending(self) -> bool:
-        return self.inflight is not None
+        return self.state is State.IN_FLIGHT
 
     def arm(self) -> None:
         if self.raw is None and self.armed is None:
-            self.armed = _flat.arm(self.locals, self.opts)
+            self.armed = _flat.arm(self.locals, self.lowered)
 
     def issue(self) -> None:
-        if self.resident or self.pending:
+        if self.state in (State.UNSHARDED, State.IN_FLIGHT):
             return
         if self.raw is None:  # first gather: recorded by autograd
             self.arm()
-            self.inflight = _flat.issue(self.locals, self.layouts, self.opts, self.armed)
+            self.inflight = _flat.issue(self.locals, self.lowered, self.armed)
             self.armed = None
         else:  # a re-gather only refills storage: not part of the graph
             with torch.no_grad():
                 shards = self.locals
-                if _compile.traced_autograd():  # see [Note: re-gathers stay in backward]
+                if self.mode is Mode.TRACED:  # see [Note: re-gathers stay in backward]
                     shards = _compile.after_last_wait(shards)
-                self.inflight = _flat.issue(shards, self.layouts, self.opts)
+                self.inflight = _flat.issue(shards, self.lowered)
+        self._move(State.IN_FLIGHT)
 
-    def wait(self, notify: Callable | None, freeable: bool) -> None:
-        """Make the full tensors usable. ``notify``: the first gather's post-backward callback;
-        ``freeable``: record storages to free (not under torch.func, whose wrappers have none)."""
+    def wait(self, notify: Callable | None) -> None:
+        """Make the full tensors usable. ``notify``: the first gather's post-backward callback."""
         if self.resident:
             return
         self.issue()
@@ -317,14 +375,12 @@ class _Group:
         with span("wait", self.name):
             if self.raw is None:
                 self.raw = _flat.finish(inflight)
+                self.storages = self._own_storages() if self.mode is Mode.EAGER else []
+                # the post-backward callback frees: nothing to free, no node
+                notify = notify if self.storages else None
                 self.fulls = list(Notify.apply(notify, *self.raw)) if notify else self.raw
                 self.fulls = _parallel.wrap(self.fulls, self.specs)
-                seen = {}
-                for t in self.raw if freeable else ():
-                    s = t.untyped_storage()
-                    seen.setdefault(s.data_ptr(), (s, s.nbytes()))
-                self.storages = list(seen.values())
-            elif _compile.traced_autograd():  # new tensors: see [Note: a plan under torch.compile]
+            elif self.mode is Mode.TRACED:  # new tensors: see [Note: a plan under torch.compile]
                 with torch.no_grad():
                     self.raw = _flat.finish(inflight)
             else:  # refill the freed storage in place, see [Note: refill after the transfer]
@@ -333,89 +389,73 @@ class _Group:
                     for s, nbytes in self.storages:
                         s.resize_(nbytes)
                     _flat.finish(inflight, into=self.raw)
-        self.resident = True
+        self._move(State.UNSHARDED)
+
+    def _own_storages(self) -> list[tuple[torch.UntypedStorage, int]]:
+        """The storages of the full tensors that are freed after forward: not those of the
+        shards themselves (a mesh of one rank gathers nothing, see ``_flat``)."""
+        shards = {t.untyped_storage().data_ptr() for t in self.locals}
+        seen = {}
+        for t in self.raw:
+            s = t.untyped_storage()
+            if s.data_ptr() not in shards:
+                seen.setdefault(s.data_ptr(), (s, s.nbytes()))
+        return list(seen.values())
+
+    @property
+    def freeable(self) -> bool:
+        """Whether freeing releases anything: a trace's tensors always (the compiler frees
+        them), plain autograd's when they have storage of their own."""
+        return self.mode is Mode.TRACED or bool(self.storages)
 
     def free(self) -> None:
         if self.pending:  # a prefetch that was never needed
             with torch.no_grad():
                 _flat.finish(self.inflight)
             self.inflight = None
-        if self.resident:
+            self._move(State.SHARDED if self.raw is None else State.FREED)
+        if self.resident and self.freeable:
             with span("free", self.name):
                 for s, _ in self.storages:
                     s.resize_(0)
-            self.resident = False
+            self._move(State.FREED)
 
     def pointers(self) -> list[int]:
         """Keys of the full tensors for ``_Run.owner``: their storages' addresses; traced, the
         ids of the tensors they view (see [Note: a plan under torch.compile])."""
-        if _compile.traced_autograd():
+        if self.mode is Mode.TRACED:
             return [id(_compile.root(t)) for t in self.raw or ()] if self.resident else []
         return [s.data_ptr() for s, _ in self.storages if s.data_ptr()]
-
-
-class _Cursor:
-    """A position in a plan's forward or backward steps."""
-
-    def __init__(self, runs: tuple[str, ...], steps: tuple[Step, ...], compute: str) -> None:
-        self.runs, self.steps, self.compute = runs, steps, compute
-        self.at = [i for i, s in enumerate(steps) if s.op == compute]  # step index of each run
-        self.run, self.pc = -1, 0
-
-    def current(self) -> str | None:
-        return self.runs[self.run] if self.run >= 0 else None
-
-    def following(self) -> str | None:
-        """The next group to run after the current run, other than the current group."""
-        return next((g for g in self.runs[self.run + 1 :] if g != self.current()), None)
-
-    def find(self, group: str) -> int | None:
-        return next((j for j in range(self.run + 1, len(self.runs)) if self.runs[j] == group), None)
-
-    def advance(self, j: int) -> list[Step]:
-        """Move to run ``j``; return the steps on the way (not the run's compute step)."""
-        todo = self.steps[self.pc : self.at[j]]
-        self.run, self.pc = j, self.at[j] + 1
-        return list(todo)
-
-    def rest(self) -> list[Step]:
-        todo, self.pc = self.steps[self.pc :], len(self.steps)
-        return list(todo)
 
 
 class _Run:
     """The state of one ``apply`` call and of its backward."""
 
-    def __init__(self, plan: Plan, sharded: Mapping[str, Any], opts: _flat.Options) -> None:
+    def __init__(
+        self, plan: Plan, sharded: Mapping[str, Any], opts: _flat.Options, mode: Mode
+    ) -> None:
         self.plan = plan
         self.sink = _sink.current()
-        # Frees need a way to refill storage before backward reads it: saved-tensor hooks,
-        # which torch.func refuses (see [Note: reshard after forward ...]).
-        self.tracking = async_allowed()
-        # traced by torch.compile: frees and hooks in the graph's terms (see [Note: a plan ...])
-        self.traced = _compile.traced_autograd()
+        # see [Note: the execution mode is data]: EAGER frees and refills with saved-tensor
+        # hooks (which torch.func refuses, see [Note: reshard after forward ...]); TRACED in
+        # the graph's terms (see [Note: a plan under torch.compile])
+        self.mode = mode
         self.groups: dict[str, _Group] = {}
         self.index: dict[str, tuple[_Group, int]] = {}
         names = [p for g in plan.groups for p in g.params]
         locals_, specs = as_locals(names, [sharded[p] for p in names], "schedule")
-        static = _static(plan, names, locals_, specs, opts)
+        static = _static(plan, names, locals_, specs, opts, mode)
         at = 0
         for g in plan.groups:
             n = len(g.params)
-            state = _Group(
-                g.name,
-                [sharded[p] for p in g.params],
-                locals_[at : at + n],
-                static.layouts[at : at + n],
-                static.options[g.name],
-                specs[at : at + n],
-            )
+            leaves = [sharded[p] for p in g.params]
+            state = _Group(g.name, leaves, locals_[at : at + n], static.groups[g.name], mode)
             at += n
             self.groups[g.name] = state
             for i, p in enumerate(g.params):
                 self.index[p] = (state, i)
-        self.forward = _Cursor(plan.order, plan.forward, "forward")
-        self.backward = _Cursor(plan.backward_order, plan.backward, "backward")
+        self.forward = _program.Cursor(static.program.forward)
+        self.backward = _program.Cursor(static.program.backward)
         self.in_forward = True
         self.owner: dict[int, str] = {}  # storage data_ptr -> group, while unsharded
         self.range = None
@@ -433,7 +473,7 @@ class _Run:
         layout, spec = state.layouts[i], state.specs[i]
         # a 2-D layout's module sees the DTensor of the global shape
         shape = layout.levels[0] if spec.dp_dims is None else spec.shape[layout.lead :]
-        return shape, state.opts.param_dtype or local.dtype, local.device
+        return shape, state.lowered.opts.param_dtype or local.dtype, local.device
 
     def resolve(self, fqns) -> list[torch.Tensor]:
         """The full tensors for one operation (see ``_deferred.Resolver``)."""
@@ -464,7 +504,7 @@ class _Run:
     # ---- checkpoint regions (see [Note: activation checkpointing inside a funcshard call]) --
     def bind_regions(self, module: nn.Module, named: dict[str, Any]) -> None:
         """Bind the checkpoint regions this call runs (eager grad mode only) to ``named``."""
-        if eager_grad():
+        if torch.is_grad_enabled() and self.mode.plain:
             self.rebind = (module, named)
 
     def _bind_region(self) -> None:
@@ -484,33 +524,32 @@ class _Run:
             self.recomputing -= 1
 
     # ---- moving through the plan ---------------------------------------------------------
-    def _use(self, cursor: _Cursor, group: str) -> None:
+    def _use(self, cursor: _program.Cursor, group: str) -> None:
         if cursor.current() != group:
             j = cursor.find(group)
             if j is None:
                 self._ensure(group)
                 return
             for step in cursor.advance(j):
-                self._execute(step, cursor.compute)
-            following = cursor.following()
-            if self.in_forward and following is not None and torch.is_grad_enabled():
+                self._execute(step)
+            following = cursor.phase.arm[j]
+            if following is not None and torch.is_grad_enabled():
                 self.groups[following].arm()  # see _flat.arm: overlap of its reduce-scatter
-            self._enter(cursor.compute, group)
+            self._enter(cursor.phase.compute, group)
         self._ensure(group)
 
-    def _execute(self, step: Step, direction: str) -> None:
+    def _execute(self, step: Step) -> None:
+        """Run one step of the lowered plan (see [Note: the plan lowered] in ``_program``)."""
         state = self.groups[step.group]
         if step.op == "all_gather":
             state.issue()
         elif step.op == "wait":
             self._make_resident(state)
-        elif step.op == "free" and self.frees and (direction == "forward" or state.frozen):
+        elif step.op == "free":
             if state.name in self.holding:  # needed by the operation being resolved
                 self.held_frees.append(state)
             else:
                 self._free(state)
-        # other backward frees and reduce-scatters happen when autograd finishes the group
-        # (Notify); a frozen group has no gradients to wait for: freed when the plan moves on
 
     def _ensure(self, group: str) -> None:
         """Make ``group`` usable; warn if that takes a gather the plan did not schedule."""
@@ -521,7 +560,8 @@ class _Run:
             cursor = self.forward if self.in_forward else self.backward
             warnings.warn(
                 f"funcshard: rank {dist.get_rank()}: group {group!r} used out of the planned "
-                f"{cursor.compute} order (planned: {cursor.current()!r}); gathering it on demand. "
+                f"{cursor.phase.compute} order (planned: {cursor.current()!r}); gathering it on "
+                "demand. "
                 "Record the plan with example_args like this call's, or pass order= to fs.plan. "
                 "If other ranks take another path (data-dependent control flow), their "
                 "collectives no longer match: the run fails at the process group's timeout (see "
@@ -532,8 +572,8 @@ class _Run:
 
     def _make_resident(self, state: _Group) -> None:
         first = state.raw is None
-        notify = self._post_backward(state) if self.tracking and torch.is_grad_enabled() else None
-        state.wait(notify, self.tracking)
+        eager = self.mode is Mode.EAGER and torch.is_grad_enabled()
+        state.wait(self._post_backward(state) if eager else None)
         if first and self.sink is not None:  # see [Note: gradient accumulation without ...]
             _parallel.refuse_unsynced([lay.path for lay in state.layouts], state.specs, "schedule")
             self.sink.track(state.leaves, state.raw)
@@ -564,7 +604,7 @@ class _Run:
             state = self.groups[step.group]
             if step.op == "wait" and state.pending:
                 state.free()  # a prefetch the module never needed
-            elif step.op == "free" and self.frees:
+            elif step.op == "free":
                 self._free(state)
         if self.frees:  # groups gathered on demand are freed like planned ones
             reshard = {g.name: g.reshard_after_forward for g in self.plan.groups}
@@ -576,20 +616,21 @@ class _Run:
     @property
     def frees(self) -> bool:
         """Whether groups are freed after forward (and gathered again by the hooks)."""
-        return self.tracking or self.traced
+        return self.mode.frees
 
     def saved_tensor_hooks(self):
         if not (self.frees and torch.is_grad_enabled()):
             return contextlib.nullcontext()
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        return _compile.with_recorded_hooks(hooks) if self.traced else hooks
+        return _compile.with_recorded_hooks(hooks) if self.mode is Mode.TRACED else hooks
 
     def _pack(self, t: torch.Tensor):
         if not self.owner:
             return t
         # FSDP x TP: autograd saves the module's DTensors, whose local tensors are ours
         local = t._local_tensor if isinstance(t, DTensor) else t
-        key = id(_compile.root(local)) if self.traced else local.untyped_storage().data_ptr()
+        traced = self.mode is Mode.TRACED
+        key = id(_compile.root(local)) if traced else local.untyped_storage().data_ptr()
         group = self.owner.get(key)
         return t if group is None else _Saved(group, t, self.groups[group].raw)
 
@@ -597,7 +638,7 @@ class _Run:
         if isinstance(saved, _Saved):
             self._use(self.backward, saved.group)
             state = self.groups[saved.group]
-            if self.traced and state.raw is not saved.raw:  # gathered again since
+            if self.mode is Mode.TRACED and state.raw is not saved.raw:  # gathered again since
                 return _compile.regathered(saved.tensor, saved.raw, state.raw)
             return saved.tensor
         return saved

@@ -335,14 +335,31 @@ def spec_of(path: str, leaf, fn: str) -> ShardSpec:
     if isinstance(leaf, LocalShard):
         spec = leaf.spec
     elif isinstance(leaf, torch.Tensor) and isinstance(dt := _dtensor.unwrap(leaf), DTensor):
+        world = dist.group.WORLD if dist.is_initialized() else None
+        found = _CHECKED.get(id(dt._spec))
+        if found is not None and found[0] is dt._spec and found[1] is world:
+            _CHECKED.move_to_end(id(dt._spec))
+            return found[2]
         spec = ShardSpec.of(dt)
     else:
         _not_a_shard(path, leaf, fn)
-    check_storage_placements(
-        path, spec.placements, spec.mesh, len(spec.shape), fn, spec.dp_dims
-    )
+    check_storage_placements(path, spec.placements, spec.mesh, len(spec.shape), fn, spec.dp_dims)
     check_mesh(path, spec.mesh, fn)
+    if not isinstance(leaf, LocalShard):
+        _CHECKED[id(dt._spec)] = (dt._spec, world, spec)
+        while len(_CHECKED) > _CHECKED_SIZE:
+            _CHECKED.popitem(last=False)
     return spec
+
+
+# [Note: checked DTensor specs]
+# A parameter's DTensors share one DTensorSpec object from step to step (value_and_grad's
+# fresh leaves, the optimizer's results and the gradients are made around the same spec), so
+# the checked ShardSpec of a DTensor is remembered by the identity of its DTensorSpec (kept
+# alive by the entry, so the identity cannot be reused) and of the default process group the
+# mesh was checked against. Bounded: least recently used entries are dropped.
+_CHECKED: collections.OrderedDict[int, tuple] = collections.OrderedDict()
+_CHECKED_SIZE = 1 << 14
 
 
 def check_mesh(path: str, mesh: DeviceMesh, fn: str) -> None:

@@ -8,6 +8,7 @@ leaves for optree (``LocalShard`` is a pytree *node* only for ``torch.utils._pyt
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,6 +19,14 @@ PyTree = Any
 
 def keystr(path: Sequence[Any]) -> str:
     """``('layers', 0, 'weight')`` -> ``"layers[0].weight"``; the empty path is ``"<root>"``."""
+    try:
+        return _keystr(tuple(path))  # trees are flattened every step: the same paths again
+    except TypeError:  # an unhashable key
+        return _keystr.__wrapped__(path)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _keystr(path: tuple) -> str:
     out = ""
     for key in path:
         out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))
@@ -54,10 +63,12 @@ def flatten_like(
     Raises:
         ValueError: naming the key paths present in one tree and not in the other.
     """
-    like_paths, _, like_spec = flatten(like, none_is_leaf=none_is_leaf)
-    paths, leaves, spec = flatten(tree, none_is_leaf=none_is_leaf)
+    leaves, spec = optree.tree_flatten(tree, none_is_leaf=none_is_leaf)
+    like_spec = optree.tree_structure(like, none_is_leaf=none_is_leaf)
     if spec == like_spec:
         return leaves
+    like_paths, _, like_spec = flatten(like, none_is_leaf=none_is_leaf)
+    paths, leaves, spec = flatten(tree, none_is_leaf=none_is_leaf)
     missing = sorted(set(like_paths) - set(paths))
     extra = sorted(set(paths) - set(like_paths))
     detail = []

@@ -567,3 +567,32 @@ def test_world_size_one_issues_no_collectives(world1):
     sent, loss_err, grad_err = world1.run(one_rank_step)[0]
     assert sent == 0
     assert loss_err < 1e-6 and grad_err < 1e-6
+
+
+def one_rank_bf16():
+    """One rank, bf16 compute and fp32 reduction: the full tensors are the shards cast (no flat
+    buffer); each step's loss and gradients equal the unsharded model's in bf16, and the shards
+    are untouched by the frees of reshard-after-forward."""
+    model, sharded, buffers, plan = _setup(batchnorm=False)
+    batch = tokens(0)
+    ref_model = make(layers=2, batchnorm=False).to(torch.bfloat16)
+    ref_loss = lm_loss(ref_model(batch), batch)
+    ref_loss.backward()
+    ref = {k: p.grad.float() for k, p in ref_model.named_parameters()}
+    before = {k: v.to_local().clone() for k, v in sharded.items()}
+    apply = fs.schedule(model, plan, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    step = fs.value_and_grad(lambda p: lm_loss(apply(p, batch, buffers=buffers), batch))
+    results = [step(sharded) for _ in range(2)]
+    kept = all(torch.equal(v.to_local(), before[k]) for k, v in sharded.items())
+    return (
+        [(loss.float() - ref_loss.float()).abs().item() for loss, _ in results],
+        [_err(grads, ref) for _, grads in results],
+        {str(g.dtype) for _, grads in results for g in grads.values()},
+        kept,
+    )
+
+
+def test_world_size_one_casts_without_gathering(world1):
+    loss_errs, grad_errs, dtypes, kept = world1.run(one_rank_bf16)[0]
+    assert max(loss_errs) == 0.0 and max(grad_errs) < 1e-6, (loss_errs, grad_errs)
+    assert dtypes == {"torch.float32"} and kept
