@@ -439,6 +439,17 @@ class AllGather(_Function):
         return AllGather.apply(comm.batched(), replicas, None, *moved), 0
 
 
+def one_rank(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """The all-gather of ``x`` over mesh dims of one rank each: :class:`OneRank`, or plain
+    ``x.to(gather dtype)`` (``x`` itself when no cast is needed: no autograd node at all)
+    where the reduce dtype is the gather's or ``x``'s, so that the cast's own backward rounds
+    the gradient as the reduction would."""
+    gather = comm.gather_dtype or x.dtype
+    if comm.reduce_dtype in (None, gather, x.dtype):
+        return x.to(gather)
+    return OneRank.apply(x, comm)
+
+
 class OneRank(_Function):
     """The all-gather over mesh dims of one rank each: ``x`` in ``comm.gather_dtype`` (a view
     of ``x`` when no cast is needed); backward: the gradient in ``comm.reduce_dtype``, then in

@@ -376,7 +376,7 @@ def issue(
         state: _Level | list[torch.Tensor]
         if b.local:  # see [Note: one rank communicates nothing] in _collectives
             comm = b.comms[0] if b.comms else b.replicas[0]
-            state = [C.OneRank.apply(x, comm) for x in xs]
+            state = [C.one_rank(x, comm) for x in xs]
         elif b.comms:
             state = _start_level(xs, b.layouts, b.sharded[-1], b.comms[0], b.replicas, early)
         else:

@@ -584,15 +584,25 @@ def one_rank_bf16():
     step = fs.value_and_grad(lambda p: lm_loss(apply(p, batch, buffers=buffers), batch))
     results = [step(sharded) for _ in range(2)]
     kept = all(torch.equal(v.to_local(), before[k]) for k, v in sharded.items())
+    # fp32 compute, bf16 reduction: the gradient rounded to bf16, as a reduce-scatter in bf16
+    fp32 = make(layers=2, batchnorm=False)
+    lm_loss(fp32(batch), batch).backward()
+    rounded = {k: p.grad.to(torch.bfloat16).float() for k, p in fp32.named_parameters()}
+    narrow = fs.schedule(model, plan, reduce_dtype=torch.bfloat16)
+    _, grads = fs.value_and_grad(lambda p: lm_loss(narrow(p, batch, buffers=buffers), batch))(
+        sharded
+    )
     return (
         [(loss.float() - ref_loss.float()).abs().item() for loss, _ in results],
         [_err(grads, ref) for _, grads in results],
         {str(g.dtype) for _, grads in results for g in grads.values()},
         kept,
+        _err(grads, rounded),
     )
 
 
 def test_world_size_one_casts_without_gathering(world1):
-    loss_errs, grad_errs, dtypes, kept = world1.run(one_rank_bf16)[0]
+    loss_errs, grad_errs, dtypes, kept, rounded_err = world1.run(one_rank_bf16)[0]
     assert max(loss_errs) == 0.0 and max(grad_errs) < 1e-6, (loss_errs, grad_errs)
     assert dtypes == {"torch.float32"} and kept
+    assert rounded_err == 0.0
