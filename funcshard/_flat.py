@@ -141,6 +141,7 @@ class Lowered:
     mode: Mode
     flat_dtypes: tuple[torch.dtype, ...]  # each leaf's copy-in dtype (see [Note: flat dtype])
     local: bool  # every bucket is local: nothing is ever pending
+    aliases: bool  # some bucket is local: a full tensor may be its shard itself
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,8 +340,8 @@ def lower(
         )
         local = all(c.world == 1 for c in (*comms, *replicas))
         buckets.append(Bucket(tuple(idx), lays, tuple(sharded), comms, replicas, out_dtype, local))
-    local = all(b.local for b in buckets)
-    return Lowered(tuple(buckets), len(dtypes), opts, mode, flat, local)
+    local = [b.local for b in buckets]
+    return Lowered(tuple(buckets), len(dtypes), opts, mode, flat, all(local), any(local))
 
 
 def arm(tensors: Sequence[torch.Tensor], lowered: Lowered) -> list[torch.Tensor]:

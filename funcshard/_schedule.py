@@ -394,7 +394,9 @@ class _Group:
     def _own_storages(self) -> list[tuple[torch.UntypedStorage, int]]:
         """The storages of the full tensors that are freed after forward: not those of the
         shards themselves (a mesh of one rank gathers nothing, see ``_flat``)."""
-        shards = {t.untyped_storage().data_ptr() for t in self.locals}
+        shards = (
+            {t.untyped_storage().data_ptr() for t in self.locals} if self.lowered.aliases else ()
+        )
         seen = {}
         for t in self.raw:
             s = t.untyped_storage()

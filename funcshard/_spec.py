@@ -59,6 +59,21 @@ class ShardSpec:
     dp_dims: tuple[int, ...] | None = None
     spmd: bool = False
 
+    def __hash__(self) -> int:
+        # computed once: a call's per-structure cache key hashes every leaf's spec
+        h = self.__dict__.get("_hash")
+        if h is None:
+            fields = (self.mesh, self.placements, self.shape, self.stride, self.dp_dims)
+            h = hash((*fields, self.spmd))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict:  # the hash is this process's (a mesh hashes by identity)
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
     @staticmethod
     def of(dtensor: DTensor) -> ShardSpec:
         mesh = dtensor.device_mesh

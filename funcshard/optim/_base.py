@@ -88,6 +88,11 @@ def check_like(
     Raises:
         TypeError / ValueError: naming ``path`` and both layouts.
     """
+    if type(x) is DTensor and type(like) is DTensor and x._spec is like._spec:
+        # placed around the parameter's own spec (gradients, states): the same layout
+        if dtype and x.dtype != like.dtype:
+            _wrong_dtype(fn, path, x, like, what)
+        return
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{fn}: {what}[{path!r}] is a {type(x).__name__}, not a tensor.")
     if isinstance(x, DTensor) != isinstance(like, DTensor):
@@ -104,10 +109,14 @@ def check_like(
             f"{placed(like)}; {what} must be placed like the parameters."
         )
     if dtype and x.dtype != like.dtype:
-        raise TypeError(
-            f"{fn}: {what}[{path!r}] is {x.dtype} but the parameter is {like.dtype}; cast it "
-            f"(e.g. {what}[{path!r}].to({like.dtype})), or keep the parameter in {x.dtype}."
-        )
+        _wrong_dtype(fn, path, x, like, what)
+
+
+def _wrong_dtype(fn: str, path: str, x: torch.Tensor, like: torch.Tensor, what: str):
+    raise TypeError(
+        f"{fn}: {what}[{path!r}] is {x.dtype} but the parameter is {like.dtype}; cast it "
+        f"(e.g. {what}[{path!r}].to({like.dtype})), or keep the parameter in {x.dtype}."
+    )
 
 
 @traced  # see [Note: funcshard under torch.compile]
