@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from .._parallel import (
     check_composable,
     check_model_placements,
+    expert_dims,
     is_model_parallel,
     layout_mesh,
     record,
@@ -72,7 +73,7 @@ def shard(
         if isinstance(x, DTensor):
             target, pl = _resolve(path, x, mesh, placements)
             if is_model_parallel(x, target):
-                x = _shard_model_parallel(path, x, target, pl)
+                x = _shard_model_parallel(path, x, target, pl, mesh)
                 made.add(id(x))
         return x
 
@@ -175,19 +176,22 @@ def _check_mesh(mesh: DeviceMesh) -> None:
     check_mesh("<mesh>", mesh, "shard")
 
 
-def _shard_model_parallel(path: str, x: DTensor, mesh: DeviceMesh, pl) -> DTensor:
-    """A tensor-parallel (or full-SPMD) DTensor -> the 2-D layout: its TP-local tensor sharded
-    over ``mesh`` (see [Note: the 2-D layout] in ``_parallel``)."""
+def _shard_model_parallel(path: str, x: DTensor, mesh: DeviceMesh, pl, data: DeviceMesh):
+    """A tensor-parallel, expert-parallel (or full-SPMD) DTensor -> the 2-D layout: its
+    TP-local tensor sharded over ``mesh`` (see [Note: the 2-D layout] in ``_parallel``);
+    ``data`` is the tree's mesh (see [Note: expert parallelism])."""
     check_model_placements(path, x)
     spmd, dims, full = layout_mesh(path, x, mesh)
-    record(spmd, dims, full, path)
+    experts = expert_dims(path, spmd, dims, data)
+    record(spmd, dims, full, path, experts)
+    check_mesh(path, spmd, "shard")
     check_storage_placements(path, pl, mesh, x.dim())
     merged = list(x.placements) if full else [*pl, *x.placements]
     for i, p in zip(dims, pl, strict=True):
         merged[i] = p
     check_composable(path, tuple(x.shape), merged, dims, spmd)
     placements = storage_placements(tuple(merged), dims, tuple(spmd.shape))
-    spec = ShardSpec(spmd, placements, tuple(x.shape), tuple(x.stride()), dims, full)
+    spec = ShardSpec(spmd, placements, tuple(x.shape), tuple(x.stride()), dims, full, experts)
     local = _cut(x._local_tensor.detach(), spec.gathered())
     out = DTensor.from_local(
         local, spmd, placements, run_check=False, shape=spec.shape, stride=spec.stride
