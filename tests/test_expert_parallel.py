@@ -125,3 +125,98 @@ def test_plan_shows_each_parameters_mesh(world4):
     ), meshes
     assert f"{experts}: experts.w1, experts.w2" in text, text
     assert round_trip
+
+
+def unshard_and_reduce_vs_unsharded():
+    """The other ways in: fs.functional_call over fs.unshard (the module sees stand-ins that
+    pass for DTensors: isinstance, to_local, placements), and fs.reduce of the gradients the
+    module computed on the unsharded DTensors; both against the unsharded MoE."""
+    _, model, sharded = ep_layout()
+    x, y = batch(0, dist.get_rank(), dp=4)
+
+    def loss_fn(p):
+        return loss(fs.functional_call(model, fs.unshard(p), (x,)), y)
+
+    _, grads = fs.value_and_grad(loss_fn)(sharded)
+    full = fs.unshard(sharded)
+    computed = torch.autograd.grad(
+        loss(fs.functional_call(model, full, (x,)), y), list(full.values())
+    )
+    reduced = fs.reduce(dict(zip(full, computed, strict=True)), sharded)
+    plain = make_moe()
+    loss(plain(batch(0, dp=4)[0]), batch(0, dp=4)[1]).backward()
+    pp = dict(plain.named_parameters())
+    errors = [max((g.full_tensor() - pp[k].grad).abs().max().item() for k, g in tree.items())
+              for tree in (grads, reduced)]  # fmt: skip
+    probe = fs.functional_call(_Probe(model.experts), {"experts.w1": full["experts.w1"]})
+    return errors, probe, full["experts.w1"].to_local().sum().item()
+
+
+class _Probe(torch.nn.Module):
+    """Reads the experts' weight as model code does, inside a funcshard call."""
+
+    def __init__(self, experts) -> None:
+        super().__init__()
+        self.experts = experts
+
+    def forward(self):
+        from torch.distributed.tensor import DTensor
+
+        w = self.experts.w1
+        return (
+            isinstance(w, DTensor) and type(w) is not DTensor,  # a stand-in passing for one
+            tuple(w.placements),
+            w.device_mesh.mesh_dim_names,
+            hasattr(w, "not_a_dtensor_attribute"),
+            w.to_local().sum().item(),
+        )
+
+
+def test_unshard_and_reduce(world4):
+    for errors, probe, local_sum in world4.run(unshard_and_reduce_vs_unsharded):
+        assert max(errors) < 1e-6, errors
+        assert probe[:4] == (True, (Shard(0),), ("ep",), False), probe
+        assert abs(probe[4] - local_sum) < 1e-6
+
+
+def bad_ep_inputs():
+    from torch.distributed.tensor import distribute_tensor
+
+    from _checks import raises
+
+    dense = mesh(4, names=("dp",))
+    pp = mesh(2, 1, 2, names=("pp", "efsdp1", "ep2"))  # a pipeline dim: a layout of 2 ranks
+    experts = distribute_tensor(torch.ones(4, 2), pp["ep2"], [Shard(0)])
+    wide = mesh(1, 4, names=("one", "ep4"))  # an ep dim of 4 ranks ...
+    spread = distribute_tensor(torch.ones(4, 2), wide["ep4"], [Shard(0)])
+    half = mesh(2, 2, names=("a", "b"))["a"]  # ... half inside a data-parallel mesh of 2
+    plan = fs.plan(make_moe())
+    return [
+        raises(  # a per-parameter mesh whose 2-D layout does not cover the ranks
+            lambda: fs.shard({"experts": experts}, dense, lambda p, t: (pp["efsdp1"], Shard(0))),
+            ValueError,
+            "'experts'",
+            "2 ranks while the process group has 4",
+            "mesh of every rank",
+        ),
+        raises(
+            lambda: fs.shard({"experts": spread}, half, lambda p, t: (wide["one"], Shard(0))),
+            ValueError,
+            "'experts'",
+            "model parallel on 'ep4'",
+            "partly inside the data-parallel mesh",
+            "Build both from one mesh",
+        ),
+        raises(
+            lambda: plan.with_meshes({"w1": None}),
+            ValueError,
+            "Plan.with_meshes",
+            "'inp.weight'",
+            "missing from sharded",
+        ),
+    ]
+
+
+def test_bad_ep_inputs(world4):
+    for rank in world4.run(bad_ep_inputs):
+        assert rank == [None] * len(rank), rank

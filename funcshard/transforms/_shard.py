@@ -183,8 +183,8 @@ def _shard_model_parallel(path: str, x: DTensor, mesh: DeviceMesh, pl, data: Dev
     check_model_placements(path, x)
     spmd, dims, full = layout_mesh(path, x, mesh)
     experts = expert_dims(path, spmd, dims, data)
+    check_mesh(path, spmd, "shard")  # a layout of part of the ranks (before it is recorded)
     record(spmd, dims, full, path, experts)
-    check_mesh(path, spmd, "shard")
     check_storage_placements(path, pl, mesh, x.dim())
     merged = list(x.placements) if full else [*pl, *x.placements]
     for i, p in zip(dims, pl, strict=True):
