@@ -139,8 +139,7 @@ def _comm(layout: Layout, mesh_dim: int, opts: Options, dtype, async_op: bool) -
     in backward), or the first replicated one if none is sharded."""
     mesh = layout.spec.mesh
     gather = opts.param_dtype or dtype
-    sharded, replicated = _mesh_dims(layout)
-    carrier = sharded[-1] if sharded else replicated[0]
+    over = layout.over if layout.over > 1 and mesh_dim == _carrier(layout) else 1
     return C.Comm(
         group=mesh.get_group(mesh_dim),
         world=mesh.size(mesh_dim),
@@ -149,8 +148,13 @@ def _comm(layout: Layout, mesh_dim: int, opts: Options, dtype, async_op: bool) -
         reduce_dtype=opts.reduce_dtype or gather,
         mean=opts.mean,
         async_op=async_op,
-        over=layout.over if mesh_dim == carrier else 1,
+        over=over,
     )
+
+
+def _carrier(layout: Layout) -> int:
+    sharded, replicated = _mesh_dims(layout)
+    return sharded[-1] if sharded else replicated[0]
 
 
 def _mesh_dims(layout: Layout) -> tuple[list[int], list[int]]:

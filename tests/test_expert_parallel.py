@@ -5,6 +5,7 @@ on the same layout (torchtitan's ``set_gradient_divide_factor``), with the plan 
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
@@ -18,11 +19,12 @@ from _moe import ExpertParallel, Experts, make_moe
 from _tp import Counter, batch, loss
 
 
-def ep_layout():
+def ep_layout(ep: int = 2):
     """``(meshes, model, sharded)``: experts on the (efsdp, ep) mesh, ep by ExpertParallel and
     efsdp by fs.shard; the dense weights on the 1-D mesh of every rank (the data-parallel
     mesh: every rank holds a different batch)."""
-    m, dense = mesh(2, 2, names=("efsdp", "ep")), mesh(4, names=("dp",))
+    m = mesh(4 // ep, ep, names=("efsdp", "ep"))
+    dense = mesh(4, names=("dp",))
     model = make_moe()
     parallelize_module(model.experts, m["ep"], ExpertParallel())
 
@@ -34,22 +36,24 @@ def ep_layout():
 
 def fsdp2_reference(m, dense):
     """The same layout under FSDP2, as torchtitan builds it: ``fully_shard`` of the EP experts
-    on efsdp, their gradients divided by the dp world size (summed on the wire: gloo has no
-    PREMUL_SUM), the rest on every rank."""
+    on efsdp, their gradients divided by the dp world size, the rest on every rank. Summed on
+    the wire (gloo has no PREMUL_SUM) where efsdp has ranks to reduce over: with one rank,
+    FSDP2 (torch 2.13) would divide twice (``reduce_output.copy_(input / factor)``, then by its
+    post-divide factor)."""
     ref = make_moe()
     parallelize_module(ref.experts, m["ep"], ExpertParallel())
     fully_shard(ref.experts, mesh=m["efsdp"])
     ref.experts.set_gradient_divide_factor(float(dense.size()))
-    ref.experts.set_force_sum_reduction_for_comms(True)
+    ref.experts.set_force_sum_reduction_for_comms(m["efsdp"].size() > 1)
     fully_shard(ref, mesh=dense)
     return ref
 
 
-def ep_vs_references(steps: int):
+def ep_vs_references(steps: int, ep: int):
     """fs.schedule (experts a group of their own, as FSDP2's unit) + fs.optim.adamw vs the
     unsharded MoE on the global batch + torch.optim.AdamW, and vs FSDP2 + EP: loss, every
     gradient's full tensor, parameters after each step, collectives per mesh dim."""
-    (m, dense), model, sharded = ep_layout()
+    (m, dense), model, sharded = ep_layout(ep)
     plan = fs.plan(model, fs.policy.by_type(Experts))
     apply = fs.schedule(model, plan)
     opt = fs.optim.adamw(1e-2, weight_decay=0.1)
@@ -84,20 +88,24 @@ def ep_vs_references(steps: int):
     return out
 
 
-def test_expert_parallel_vs_unsharded_and_fsdp2(world4):
-    for rank in world4.run(ep_vs_references, 2):
+@pytest.mark.parametrize("ep", [2, 4])
+def test_expert_parallel_vs_unsharded_and_fsdp2(world4, ep):
+    """ep 2: experts over (efsdp, ep) = (2, 2); ep 4: one expert per rank, efsdp of 1 rank
+    (nothing to gather: the mean's division by ep alone)."""
+    for rank in world4.run(ep_vs_references, 2, ep):
         for *errors, ours, theirs in rank:
             assert max(errors) < 1e-6, (errors, rank)
             assert ours == theirs, (ours, theirs)
-            # dense weights over every rank, experts over efsdp (gathered again in backward),
-            # tokens over ep: counts, tokens and outputs forward, two back
-            assert ours == {
-                ("all_gather", "dp"): 1,
-                ("all_gather", "efsdp"): 2,
-                ("reduce_scatter", "dp"): 1,
-                ("reduce_scatter", "efsdp"): 1,
-                ("all_to_all", "ep"): 5,
-            }, ours
+            if ep == 2:  # (with ep 4, ep and dp are both the world's process group)
+                # dense weights over every rank, experts over efsdp (gathered again in
+                # backward), tokens over ep: counts, tokens and outputs forward, two back
+                assert ours == {
+                    ("all_gather", "dp"): 1,
+                    ("reduce_scatter", "dp"): 1,
+                    ("all_gather", "efsdp"): 2,
+                    ("reduce_scatter", "efsdp"): 1,
+                    ("all_to_all", "ep"): 5,
+                }, ours
 
 
 def ep_plan():
