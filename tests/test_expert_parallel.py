@@ -204,8 +204,10 @@ def bad_ep_inputs():
             lambda: fs.shard({"experts": experts}, dense, lambda p, t: (pp["efsdp1"], Shard(0))),
             ValueError,
             "'experts'",
-            "2 ranks while the process group has 4",
-            "mesh of every rank",
+            "model parallel on DeviceMesh",
+            "sharded over DeviceMesh",
+            "together 2 ranks, which do not cover the 4 ranks",
+            "mesh['efsdp'] of an (efsdp, ep) mesh",
         ),
         raises(
             lambda: fs.shard({"experts": spread}, half, lambda p, t: (wide["one"], Shard(0))),

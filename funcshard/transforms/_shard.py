@@ -183,7 +183,8 @@ def _shard_model_parallel(path: str, x: DTensor, mesh: DeviceMesh, pl, data: Dev
     check_model_placements(path, x)
     spmd, dims, full = layout_mesh(path, x, mesh)
     experts = expert_dims(path, spmd, dims, data)
-    check_mesh(path, spmd, "shard")  # a layout of part of the ranks (before it is recorded)
+    _check_layout_covers(path, spmd, mesh, x.device_mesh)  # before the layout is recorded
+    check_mesh(path, spmd, "shard")
     record(spmd, dims, full, path, experts)
     check_storage_placements(path, pl, mesh, x.dim())
     merged = list(x.placements) if full else [*pl, *x.placements]
@@ -197,6 +198,23 @@ def _shard_model_parallel(path: str, x: DTensor, mesh: DeviceMesh, pl, data: Dev
         local, spmd, placements, run_check=False, shape=spec.shape, stride=spec.stride
     )
     return out.requires_grad_(x.requires_grad)
+
+
+def _check_layout_covers(path: str, layout: DeviceMesh, dp: DeviceMesh, model: DeviceMesh):
+    """A 2-D layout must span every rank (a pipeline-parallel dim is not supported).
+
+    Raises:
+        ValueError: naming the parameter, both meshes and the fix.
+    """
+    world = dist.get_world_size()
+    if layout.size() != world:
+        raise ValueError(
+            f"shard: {path!r} is model parallel on {model} and sharded over {dp}: together "
+            f"{layout.size()} ranks, which do not cover the {world} ranks, so its gradients "
+            "would be averaged over part of the data. Shard it over the data-parallel dims "
+            "that, with its model-parallel ones, make a mesh of every rank: mesh['dp'] of a "
+            "(dp, tp) mesh, mesh['efsdp'] of an (efsdp, ep) mesh."
+        )
 
 
 def _cut(x: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
