@@ -94,7 +94,8 @@ class Comm:
     ``dim`` is the dim of the (physical) tensor to gather/scatter along; ``vmap`` rules move the
     batch dim to the front and increment it. ``gather_dtype`` is the dtype sent by all-gather and
     ``reduce_dtype`` the dtype reductions run in (``None``: the input's). ``mean`` scales
-    reductions by ``1/world``.
+    reductions by ``1/(world * over)``: ``over`` is the size of the expert-parallel dims whose
+    ranks' losses the gradient already sums (see [Note: expert parallelism] in ``_parallel``).
     """
 
     group: dist.ProcessGroup = dataclasses.field(compare=False)
@@ -105,6 +106,7 @@ class Comm:
     reduce_dtype: torch.dtype | None = None
     mean: bool = True
     async_op: bool = False
+    over: int = 1
 
     def synchronous(self) -> Comm:
         return dataclasses.replace(self, async_op=False)
@@ -144,8 +146,9 @@ def _reduce_input(x: torch.Tensor, comm: Comm, donated: bool) -> tuple[torch.Ten
         if donated:
             _free_donated(x)  # see [Note: the cast frees its source]
         x, donated = cast, True
-    if comm.mean and comm.world > 1:
-        x, donated = (x.div_(comm.world), True) if donated else (x / comm.world, True)
+    n = comm.world * comm.over
+    if comm.mean and n > 1:
+        x, donated = (x.div_(n), True) if donated else (x / n, True)
     return x.contiguous(), donated
 
 

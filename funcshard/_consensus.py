@@ -170,6 +170,7 @@ def _describe(leaves, options) -> list[tuple[str, str]]:
     for path, spec, dtype, grad in leaves:
         placements = ", ".join(str(p) for p in spec.placements)
         mesh = _parallel.describe(spec.mesh)  # the same on every rank, sub-meshes too
+        mesh += f" (expert parallel dims {list(spec.ep_dims)})" if spec.ep_dims else ""
         grad = "requires grad" if grad else "no grad"
         out.append((path, f"{dtype} {list(spec.shape)} ({placements}) on mesh {mesh}, {grad}"))
     out.extend((f"<{name}>", repr(value)) for name, value in options)

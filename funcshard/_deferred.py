@@ -22,6 +22,7 @@ from typing import Protocol
 
 import optree
 import torch
+from torch.distributed.tensor import DTensor
 
 from ._compile import compiling, untraced
 
@@ -94,13 +95,16 @@ class Deferred(torch.Tensor):
     _device: torch.device
 
     @staticmethod
-    def __new__(cls, fqn: str, shape, dtype: torch.dtype, device, resolver: Resolver) -> Deferred:
+    def __new__(
+        cls, fqn: str, shape, dtype: torch.dtype, device, resolver: Resolver, dtensor=False
+    ) -> Deferred:
+        """``dtensor``: the real tensor is a DTensor (see :class:`_DeferredDTensor`)."""
         if compiling():  # a plain meta tensor, also while torch.compile traces
             with untraced():
                 placeholder = torch.empty(shape, dtype=dtype, device="meta")
         else:
             placeholder = torch.empty(shape, dtype=dtype, device="meta")
-        t = torch.Tensor._make_subclass(cls, placeholder)
+        t = torch.Tensor._make_subclass(_DeferredDTensor if dtensor else cls, placeholder)
         t._fqn, t._resolver, t._device = fqn, resolver, torch.device(device)
         return t
 
@@ -114,7 +118,8 @@ class Deferred(torch.Tensor):
             return args[0]._device
         if func == _DATA:  # stays deferred: resolves to the detached tensor
             x = args[0]
-            return Deferred(x._fqn, x.shape, x.dtype, x._device, _Detached(x._resolver))
+            dtensor = isinstance(x, _DeferredDTensor)
+            return Deferred(x._fqn, x.shape, x.dtype, x._device, _Detached(x._resolver), dtensor)
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
@@ -132,6 +137,47 @@ class Deferred(torch.Tensor):
             return func(*args, **kwargs)  # no Deferred left: no recursion
         finally:
             release_all(resolvers)
+
+
+# DTensor's attributes that live on its instances rather than its class
+_DTENSOR_FIELDS = frozenset({"_local_tensor", "_spec"})
+
+
+class _DeferredDTensor(Deferred):
+    """The stand-in of a parameter the module computes with as a DTensor (a 2-D layout's: FSDP
+    x TP or EP, see [Note: the 2-D layout] in ``_parallel``).
+
+    [Note: a stand-in that passes for a DTensor]
+    Model code branches on the parameter's type: torchtitan's ``GroupedExperts`` runs
+    ``w = self.w1.to_local() if isinstance(self.w1, DTensor) else self.w1`` (expert parallel
+    tokens have data-dependent counts, which DTensor cannot express). Under FSDP2 the module
+    holds the unsharded DTensor, so that works; a plain ``Deferred`` would take the other branch
+    and fail on mixed DTensor / tensor operands. So this stand-in reports ``DTensor`` as its
+    ``__class__`` (what ``isinstance`` consults after ``type``, as ``unittest.mock`` does with
+    ``spec=``), and DTensor's own methods and attributes (``to_local``, ``placements``,
+    ``device_mesh``, ``redistribute``, ``full_tensor``, ...) resolve it like any operation: the
+    call runs on the real DTensor while its group is resident. ``type(p)`` stays this class.
+    """
+
+    @property
+    def __class__(self):
+        return DTensor
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or not (hasattr(DTensor, name) or name in _DTENSOR_FIELDS):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        if callable(getattr(DTensor, name, None)):
+            return lambda *a, **k: _on_real(self, lambda x: getattr(x, name)(*a, **k))
+        return _on_real(self, lambda x: getattr(x, name))
+
+
+def _on_real(x: Deferred, fn):
+    """``fn`` of the real tensor behind ``x``, resolved for this one use."""
+    (real,), resolvers = resolve_all([x])
+    try:
+        return fn(real)
+    finally:
+        release_all(resolvers)
 
 
 def resolve_all(leaves: Sequence) -> tuple[list, list[Resolver]]:

@@ -41,34 +41,37 @@ class Layout:
 
     ``lead`` is the number of leading spec dims stripped by ``vmap`` (see [Note: leading dims
     stripped by vmap] in ``_spec``); ``levels[i]`` is the logical shape after sharding mesh dims
-    ``0..i-1``.
+    ``0..i-1``. ``over``: the size of the parameter's expert-parallel dims, by which the mean
+    also divides (see [Note: expert parallelism] in ``_parallel``).
     """
 
     path: str
     spec: ShardSpec
     lead: int
     levels: tuple[tuple[int, ...], ...]
+    over: int = 1
 
     @staticmethod
     def of(path: str, spec: ShardSpec, local: torch.Tensor) -> Layout:
         """The layout of a logical local shard; checks its shape against ``spec``.
 
         A 2-D layout's (FSDP x TP) is that of what funcshard gathers: ``spec.gathered()``."""
-        spec = spec.gathered()
-        lead = len(spec.shape) - local.dim()
-        levels = spec.level_shapes()
+        gathered = spec.gathered()
+        lead = len(gathered.shape) - local.dim()
+        levels = gathered.level_shapes()
         if lead < 0 or tuple(local.shape) != levels[-1][lead:]:
             raise ValueError(
                 f"{path!r}: local tensor has shape {list(local.shape)}, but its spec "
-                f"({spec.placements} of {list(spec.shape)}) gives local shape {list(levels[-1])} "
-                "on this rank. Pass the shards made by fs.shard / fs.to_local unchanged (under "
-                "vmap, map over leading dims only)."
+                f"({gathered.placements} of {list(gathered.shape)}) gives local shape "
+                f"{list(levels[-1])} on this rank. Pass the shards made by fs.shard / "
+                "fs.to_local unchanged (under vmap, map over leading dims only)."
             )
         return Layout.stripped(path, spec, lead)
 
     @staticmethod
     def stripped(path: str, spec: ShardSpec, lead: int) -> Layout:
         """The layout of ``spec`` with its first ``lead`` dims mapped over by ``vmap``."""
+        over = math.prod(spec.mesh.size(i) for i in spec.ep_dims)
         spec = spec.gathered()
         for p in spec.placements:
             if isinstance(p, Shard) and p.dim < lead:
@@ -76,7 +79,7 @@ class Layout:
                     f"{path!r} is sharded along dim {p.dim}, which vmap maps over. Stack ensemble "
                     "members along dim 0 and shard a later dim (e.g. placements=Shard(1))."
                 )
-        return Layout(path, spec, lead, tuple(s[lead:] for s in spec.level_shapes()))
+        return Layout(path, spec, lead, tuple(s[lead:] for s in spec.level_shapes()), over)
 
     def dim(self, mesh_dim: int) -> int:
         return self.spec.placements[mesh_dim].dim - self.lead
@@ -161,9 +164,12 @@ class Inflight:
 
 
 def _comm(layout: Layout, mesh_dim: int, opts: Options, dtype, async_op: bool) -> C.Comm:
-    """``dtype``: the dtype the all-gather sends when no ``param_dtype`` is set."""
+    """``dtype``: the dtype the all-gather sends when no ``param_dtype`` is set. The mean's
+    extra divisor ``layout.over`` goes with one mesh dim: the one gathered first (reduced last
+    in backward), or the first replicated one if none is sharded."""
     mesh = layout.spec.mesh
     gather = opts.param_dtype or dtype
+    over = layout.over if layout.over > 1 and mesh_dim == _carrier(layout) else 1
     return C.Comm(
         group=mesh.get_group(mesh_dim),
         world=mesh.size(mesh_dim),
@@ -172,7 +178,13 @@ def _comm(layout: Layout, mesh_dim: int, opts: Options, dtype, async_op: bool) -
         reduce_dtype=opts.reduce_dtype or gather,
         mean=opts.mean,
         async_op=async_op,
+        over=over,
     )
+
+
+def _carrier(layout: Layout) -> int:
+    sharded, replicated = _mesh_dims(layout)
+    return sharded[-1] if sharded else replicated[0]
 
 
 def _mesh_dims(layout: Layout) -> tuple[list[int], list[int]]:
@@ -186,7 +198,7 @@ def _buckets(dtypes: Sequence[torch.dtype], layouts: Sequence[Layout]) -> list[l
     keys: dict[tuple, list[int]] = {}
     for i, (dtype, lay) in enumerate(zip(dtypes, layouts, strict=True)):
         kinds = tuple(isinstance(p, Shard) for p in lay.spec.placements)
-        keys.setdefault((lay.spec.mesh, kinds, dtype), []).append(i)
+        keys.setdefault((lay.spec.mesh, kinds, dtype, lay.over), []).append(i)
     return list(keys.values())
 
 
@@ -338,7 +350,8 @@ def lower(
         replicas = tuple(
             _comm(lays[0], r, opts, flat[idx[0]], mode.asynchronous) for r in replicated
         )
-        local = all(c.world == 1 for c in (*comms, *replicas))
+        # one rank everywhere, and no expert-parallel mean to divide by
+        local = all(c.world == 1 and c.over == 1 for c in (*comms, *replicas))
         buckets.append(Bucket(tuple(idx), lays, tuple(sharded), comms, replicas, out_dtype, local))
     local = [b.local for b in buckets]
     return Lowered(tuple(buckets), len(dtypes), opts, mode, flat, all(local), any(local))

@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Placement, distribute_tensor
 
 from ._construction import Construction, recorded, replay
 from ._extract import aliases, extract
@@ -131,14 +131,38 @@ def materialize(
     params, buffers = extract(module)  # meta tensors; records the module's ties
     steps = _steps(module, aliases(module), every=init is not None)
     # placements are checked (and a callable called) once, up front, on the meta tensors
-    placed = {k: v.placements for k, v in shard(params, mesh, placements).items()}
+    placements = _once(placements)
+    shard(params, mesh, placements)
     plan = _plan(steps, init)
     done, unreplayed = {}, {}
     for fqn, full in _values(plan, _device(mesh), init, construction, unreplayed):
-        done[fqn] = shard({fqn: full}, mesh, placed[fqn])[fqn] if fqn in params else full
+        if fqn in params:
+            full = shard({fqn: _model_parallel(full, params[fqn])}, mesh, placements)[fqn]
+        done[fqn] = full
         del full
     _warn_unreplayed([u for c, u in unreplayed.items() if c not in plan.rewritten], construction)
     return {k: done[k] for k in params}, {k: done[k] for k in buffers}
+
+
+def _once(placements):
+    """``placements``, a function of ``(path, tensor)`` answering each path as it did the first
+    time (on the meta tensor); other forms as they are."""
+    if not callable(placements) or isinstance(placements, Placement):
+        return placements
+    first: dict = {}
+    return lambda path, t: (
+        first[path] if path in first else first.setdefault(path, placements(path, t))
+    )
+
+
+def _model_parallel(full: torch.Tensor, meta) -> torch.Tensor:
+    """``full`` placed as the module's meta parameter: for a module parallelized on meta
+    (``parallelize_module`` before ``materialize``), this rank's part of the full value as a
+    DTensor on the TP (or EP) mesh -- taken locally, every rank holding the same value -- which
+    ``shard`` then splits over the data-parallel mesh (the 2-D layout, docs/parallelism.md)."""
+    if not isinstance(meta, DTensor):
+        return full
+    return distribute_tensor(full, meta.device_mesh, meta.placements, src_data_rank=None)
 
 
 def _named(init) -> Callable[[str, nn.Module], None] | None:

@@ -31,36 +31,76 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-_DP_DIMS: dict[DeviceMesh, tuple[int, ...]] = {}
+_DP_DIMS: dict[DeviceMesh, tuple[tuple[int, ...], bool, tuple[int, ...]]] = {}
 # data-parallel sub-meshes of 2-D layouts: their other dims are model parallel, so a plain
 # parameter sharded on one of them is replicated over those (see [Note: meshes funcshard can
 # gather over] in _spec)
 _DATA_PARALLEL: set[DeviceMesh] = set()
 
 
-def record(mesh: DeviceMesh, dp_dims: tuple[int, ...], spmd: bool, path: str) -> None:
-    """Remember that funcshard gathers ``mesh``'s dims ``dp_dims`` (the others are TP's), and
-    whether the module computes on the whole mesh (``spmd``, see [Note: full SPMD]).
+def record(mesh: DeviceMesh, dp_dims: tuple[int, ...], spmd: bool, path: str, ep_dims=()) -> None:
+    """Remember that funcshard gathers ``mesh``'s dims ``dp_dims`` (the others are TP's or EP's),
+    whether the module computes on the whole mesh (``spmd``, see [Note: full SPMD]), and which
+    model-parallel dims hold different data (``ep_dims``, see [Note: expert parallelism]).
 
     Raises:
-        ValueError: the same mesh was already used with other dp dims.
+        ValueError: the same mesh was already used with other dp (or ep) dims.
     """
     _DATA_PARALLEL.add(submesh(mesh, dp_dims))
-    known = _DP_DIMS.setdefault(mesh, (dp_dims, spmd))
-    if known != (dp_dims, spmd):
+    known = _DP_DIMS.setdefault(mesh, (dp_dims, spmd, tuple(ep_dims)))
+    if known != (dp_dims, spmd, tuple(ep_dims)):
         names = mesh.mesh_dim_names
         raise ValueError(
             f"shard: {path!r} would make the dims {[names[i] for i in dp_dims]} of {mesh} its "
-            f"data-parallel dims, but this mesh already has the data-parallel dims "
-            f"{[names[i] for i in known[0]]} (full SPMD: {known[1]}). Use one data-parallel mesh "
-            "per model-parallel mesh."
+            f"data-parallel dims (expert parallel: {[names[i] for i in ep_dims]}), but this "
+            f"mesh already has the data-parallel dims {[names[i] for i in known[0]]} (full "
+            f"SPMD: {known[1]}; expert parallel: {[names[i] for i in known[2]]}). Use one "
+            "data-parallel mesh per model-parallel mesh, and the same mesh for fs.shard's tree "
+            "(the ranks holding different data) in every call."
         )
 
 
-def dp_dims(mesh: DeviceMesh) -> tuple[tuple[int, ...] | None, bool]:
-    """The recorded data-parallel dims of ``mesh`` (``None``: all of them) and whether the
-    module computes on the whole mesh."""
-    return _DP_DIMS.get(mesh, (None, False)) if _DP_DIMS else (None, False)
+def dp_dims(mesh: DeviceMesh) -> tuple[tuple[int, ...] | None, bool, tuple[int, ...]]:
+    """The recorded data-parallel dims of ``mesh`` (``None``: all of them), whether the
+    module computes on the whole mesh, and the expert-parallel dims."""
+    return _DP_DIMS.get(mesh, (None, False, ())) if _DP_DIMS else (None, False, ())
+
+
+def expert_dims(path: str, mesh: DeviceMesh, dims: tuple[int, ...], data: DeviceMesh):
+    """The model-parallel dims of the layout ``mesh`` (those not in ``dims``) whose ranks hold
+    different data: the dims inside ``data``, the mesh of the tree given to ``fs.shard``.
+
+    [Note: expert parallelism]
+    ``fs.shard(params, mesh, fn)``'s ``mesh`` is the data-parallel mesh: its ranks hold
+    different batches, and every gradient is the mean over them. A model-parallel dim outside
+    it (tensor parallel: the tp ranks hold the same batch) needs nothing more. A model-parallel
+    dim *inside* it is expert parallel (torchtitan's ep, borrowed from the dp ranks): each ep
+    rank holds whole experts of its own and the tokens of every ep rank reach them by
+    all-to-all, so its local gradient already *sums* the ep ranks' losses. The mean then divides
+    by the ep size too, with the reduction over the dp dims (as torchtitan's
+    ``set_gradient_divide_factor(dp world size)`` on FSDP2's expert modules). Sizes of 1 are
+    neither.
+
+    Raises:
+        ValueError: a model-parallel dim partly inside ``data`` (naming the meshes).
+    """
+    ranks = set(data.mesh.flatten().tolist())
+    out = []
+    for j in (j for j in range(mesh.ndim) if j not in dims and mesh.size(j) > 1):
+        along = set(submesh(mesh, (j,)).mesh.flatten().tolist())
+        if along <= ranks:
+            out.append(j)
+        elif len(along & ranks) > 1:
+            name = mesh.mesh_dim_names[j]
+            raise ValueError(
+                f"shard: {path!r} is model parallel on {name!r} of {mesh}, whose ranks "
+                f"{sorted(along)} are partly inside the data-parallel mesh {data} (ranks "
+                f"{sorted(ranks)}): the ranks of {name!r} must either hold the same batch "
+                "(tensor parallel: outside it) or different ones (expert parallel: inside "
+                "it). Build both from one mesh, e.g. init_device_mesh(device, (dp, tp)) or "
+                "(efsdp, ep) with the dense weights on the ranks of every data shard."
+            )
+    return tuple(out)
 
 
 def layout_mesh(path: str, x: DTensor, dp_mesh: DeviceMesh):
@@ -219,7 +259,7 @@ def is_model_parallel(x: DTensor, dp_mesh: DeviceMesh) -> bool:
     """Whether ``x`` is a TP (or EP) DTensor to shard over ``dp_mesh`` (a mesh of other dims),
     rather than a DTensor funcshard (or anyone) already sharded over it."""
     mesh = x.device_mesh
-    dims, spmd = dp_dims(mesh)
+    dims, spmd, _ = dp_dims(mesh)
     if dims is not None:  # a 2-D layout's mesh: full SPMD parameters are replicated over dp
         return spmd and all(x.placements[i] == Replicate() for i in dims)
     if mesh == dp_mesh:
@@ -295,3 +335,25 @@ def refuse_unsynced(paths, specs, fn: str) -> None:
                 "sync_grads=False) does not support 2-D layouts yet. Use sync_grads=True (the "
                 "default) and add the sharded gradients of the micro-batches."
             )
+
+
+def layout_label(spec) -> str:
+    """How a parameter of ``spec`` (a :class:`~funcshard.ShardSpec`) is communicated, in the
+    words the printed plan uses: ``"gathered over dp(4)"``, ``"gathered over shard(2),
+    all-reduced over replicate(2)"``, ``"gathered over dp(2), tensor parallel over tp(2)"``,
+    ``"gathered over efsdp(2), expert parallel over ep(2) (mean over 4)"``. Gathered dims are
+    reduce-scattered in backward; all-reduced ones are replicated (never gathered)."""
+    mesh, names = spec.mesh, spec.mesh.mesh_dim_names or ()
+    dim = lambda i: f"{names[i] if i < len(names) else f'dim{i}'}({mesh.size(i)})"
+    ours = range(mesh.ndim) if spec.dp_dims is None else spec.dp_dims
+    sharded = [dim(i) for i in ours if not isinstance(plain(spec.placements[i]), Replicate)]
+    replicated = [dim(i) for i in ours if isinstance(plain(spec.placements[i]), Replicate)]
+    parts = [f"gathered over {', '.join(sharded)}"] if sharded else []
+    parts += [f"all-reduced over {', '.join(replicated)}"] if replicated else []
+    model = [i for i in range(mesh.ndim) if i not in ours and i not in spec.ep_dims]
+    parts += [f"tensor parallel over {', '.join(dim(i) for i in model)}"] if model else []
+    if spec.ep_dims:
+        mean = math.prod(mesh.size(i) for i in (*ours, *spec.ep_dims))
+        experts = ", ".join(dim(i) for i in spec.ep_dims)
+        parts.append(f"expert parallel over {experts} (mean over {mean})")
+    return ", ".join(parts)

@@ -56,6 +56,11 @@ class Group:
     ``recompute``: the group's module (``module.get_submodule(name)``) keeps no activations in
     forward and recomputes its forward in backward (activation checkpointing; see
     [Note: recompute as part of the plan]). Not for the root group ``""``.
+    ``meshes``: how the group's parameters are communicated, as ``(label, params)`` pairs, one
+    per mesh (and kind of placement): ``("gathered over dp(4)", ("w", "b"))``, ``("gathered
+    over efsdp(2), expert parallel over ep(2) (mean over 4)", ("experts.w1",))``. Filled by
+    :meth:`Plan.with_meshes` (or ``plan(..., sharded=)``); ``()``: not known. Descriptive (the
+    collectives follow the shards themselves), so plans that differ only here compare equal.
     """
 
     name: str
@@ -64,6 +69,7 @@ class Group:
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     recompute: bool = False
+    meshes: tuple[tuple[str, tuple[str, ...]], ...] = dataclasses.field(default=(), compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +134,22 @@ class Plan:
             groups=tuple(dataclasses.replace(g, recompute=g.name in chosen) for g in self.groups)
         )
 
+    def with_meshes(self, sharded: Mapping[str, Any]) -> Plan:
+        """A new plan whose groups say on which mesh dims each parameter is gathered and reduced
+        (:attr:`Group.meshes`, printed under each group): ``sharded`` is the ``{fqn: DTensor}``
+        dict of :func:`~funcshard.shard` (LocalShards too). The same on every rank.
+
+        Raises:
+            ValueError: a parameter of the groups is missing from ``sharded``.
+            TypeError: one is not a shard.
+        """
+        from ._plan_meshes import meshes_of
+
+        found = meshes_of(self.groups, sharded)
+        return self.replace(
+            groups=tuple(dataclasses.replace(g, meshes=found[g.name]) for g in self.groups)
+        )
+
     def group_of(self) -> dict[str, str]:
         """``{parameter fqn: group name}``."""
         return {p: g.name for g in self.groups for p in g.params}
@@ -186,6 +208,7 @@ class Plan:
             notes += ["recomputed in backward"] if g.recompute else []
             extra = f"  ({', '.join(notes)})" if notes else ""
             lines.append(f"  {g.name or '<root>':<{width}}  {len(g.params)} params{extra}")
+            lines.extend(f"      {label}: {', '.join(params)}" for label, params in g.meshes)
         lines.append("order: " + " -> ".join(n or "<root>" for n in self.order))
         for title, steps in (("forward", self.forward), ("backward", self.backward)):
             lines.append(f"{title}:")
@@ -232,7 +255,8 @@ def plan(
             over these shards (the ``{fqn: DTensor}`` dict of :func:`~funcshard.shard`, ignored
             parameters as plain tensors) and buffers: for a forward that cannot run on meta
             (``.item()``, data-dependent code). Collective: call it on every rank. No grad, no
-            effect on the RNG or the buffers.
+            effect on the RNG or the buffers. The plan's groups also show the shards' meshes
+            (see :meth:`Plan.with_meshes`).
         ignored: parameters/modules left out of every group (see :func:`~funcshard.group`).
         param_dtype / reduce_dtype: every group's mixed precision (see :class:`Group`), except
             that with a low-precision ``param_dtype`` each BatchNorm module becomes a group of its
@@ -280,6 +304,7 @@ def plan(
         else:
             order = _depth_first_order(module, [g.name for g in groups])
     made = Plan(tuple(groups), tuple(order), backward_order, prefetch, backward_prefetch)
+    made = made if sharded is None else made.with_meshes(sharded)
     return made if recompute is None else made.with_recompute(recompute)
 
 
@@ -374,6 +399,7 @@ def _group_from_json(d: dict[str, Any]) -> Group:
         dtype(d.get("param_dtype")),
         dtype(d.get("reduce_dtype")),
         d.get("recompute", False),  # absent in plans saved before recompute existed
+        tuple((label, tuple(params)) for label, params in d.get("meshes", ())),
     )
 
 

@@ -122,9 +122,9 @@ def _real_run(module, groups, sharded, buffers, args, kwargs, fn) -> list[str]:
     locals_, specs = as_locals(names, [sharded[p] for p in names], fn)
     gatherer = _Gatherer(groups, sharded, fn)
     dtype = {p: g.param_dtype for g in groups for p in g.params}
-    params = {
-        p: Deferred(p, spec.shape, dtype[p] or t.dtype, t.device, gatherer)
-        for p, t, spec in zip(names, locals_, specs, strict=True)
+    params = {  # a 2-D layout's module computes with DTensors
+        p: Deferred(p, s.shape, dtype[p] or t.dtype, t.device, gatherer, s.dp_dims is not None)
+        for p, t, s in zip(names, locals_, specs, strict=True)
     }
     passed = {k: v for k, v in sharded.items() if k not in params}  # ignored: plain tensors
     tied = aliases(module)

@@ -132,7 +132,7 @@ def schedule(
             params = _check_tree(sharded, group_of, unplanned)
             options = _flat.Options("", param_dtype, reduce_dtype, mean)
             run = _Run(plan, sharded, options, Mode.now())
-            deferred = {fqn: Deferred(fqn, *run.metadata(fqn), run) for fqn in group_of}
+            deferred = {fqn: Deferred(fqn, resolver=run, **run.metadata(fqn)) for fqn in group_of}
             walk = Walk.of(module)  # see [Note: one walk per call] in _extract
             check_not_wrapped(module, "functional_call", walk)
             named = slots(module, ({**params, **deferred}, buffers or {}), True, False, walk)
@@ -280,6 +280,15 @@ def _static(plan: Plan, names, locals_, specs, opts: _flat.Options, mode: Mode) 
             _STATIC.popitem(last=False)
         _STATIC[key] = static
     return static
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s storage; ``None`` for a wrapper tensor subclass, which has none
+    (an all-to-all's ``AsyncCollectiveTensor`` in an expert-parallel forward: never ours)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
 
 
 class _Saved:
@@ -475,7 +484,8 @@ class _Run:
         layout, spec = state.layouts[i], state.specs[i]
         # a 2-D layout's module sees the DTensor of the global shape
         shape = layout.levels[0] if spec.dp_dims is None else spec.shape[layout.lead :]
-        return shape, state.lowered.opts.param_dtype or local.dtype, local.device
+        dtype, dtensor = state.lowered.opts.param_dtype or local.dtype, spec.dp_dims is not None
+        return {"shape": shape, "dtype": dtype, "device": local.device, "dtensor": dtensor}
 
     def resolve(self, fqns) -> list[torch.Tensor]:
         """The full tensors for one operation (see ``_deferred.Resolver``)."""
@@ -632,7 +642,7 @@ class _Run:
         # FSDP x TP: autograd saves the module's DTensors, whose local tensors are ours
         local = t._local_tensor if isinstance(t, DTensor) else t
         traced = self.mode is Mode.TRACED
-        key = id(_compile.root(local)) if traced else local.untyped_storage().data_ptr()
+        key = id(_compile.root(local)) if traced else _storage(local)
         group = self.owner.get(key)
         return t if group is None else _Saved(group, t, self.groups[group].raw)
 

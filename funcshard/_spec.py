@@ -49,7 +49,9 @@ class ShardSpec:
     tensor first, and the dp dims split the TP-local tensor (DTensor writes such a dp placement
     as ``_StridedShard``). ``None``: every mesh dim is funcshard's. ``spmd``: the module
     computes on the whole mesh, ``Replicate()`` on the dp dims (see [Note: full SPMD]), rather
-    than on the TP sub-mesh.
+    than on the TP sub-mesh. ``ep_dims``: the model-parallel dims that are expert parallel
+    (their ranks hold different data, see [Note: expert parallelism] in ``_parallel``): the
+    gradient mean divides by their size too.
     """
 
     mesh: DeviceMesh
@@ -58,6 +60,7 @@ class ShardSpec:
     stride: tuple[int, ...]
     dp_dims: tuple[int, ...] | None = None
     spmd: bool = False
+    ep_dims: tuple[int, ...] = ()
 
     def __hash__(self) -> int:
         # computed once: a call's per-structure cache key hashes every leaf's spec

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils import checkpoint as _ckpt
 
 from ._deferred import Deferred
@@ -92,7 +93,7 @@ def watching(named: dict[str, Any], rebind: _Rebind) -> dict[str, Any]:
     resolves to it, binding the checkpoint region it is resolved in to ``rebind``."""
     watch = _Watch(named, rebind)
     return {
-        k: Deferred(k, v.shape, v.dtype, v.device, watch)
+        k: Deferred(k, v.shape, v.dtype, v.device, watch, isinstance(v, DTensor))
         if isinstance(v, torch.Tensor) and not isinstance(v, Deferred) and v.requires_grad
         else v
         for k, v in named.items()

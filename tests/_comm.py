@@ -13,6 +13,7 @@ KINDS = {
     "_reduce_scatter_base_": "reduce_scatter",
     "all_reduce": "all_reduce",
     "allreduce_": "all_reduce",
+    "all_to_all_single": "all_to_all",
 }
 
 

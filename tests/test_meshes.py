@@ -204,3 +204,35 @@ def test_full_spmd_vs_fsdp2(world4):
         for loss_err, fsdp_loss_err, fsdp_err, plain_err, layout in rank:
             assert loss_err < 1e-6 and fsdp_loss_err < 1e-6, rank
             assert fsdp_err < 1e-6 and plain_err < 1e-6 and layout, rank
+
+
+def plan_labels():
+    """What the printed plan says about each layout: per-parameter meshes (the dense MoE above),
+    replicated parameters and FSDP x TP (1-d parameters replicated over dp), HSDP."""
+    dense, experts = mesh(4, names=("world",)), mesh(2, 2, names=("ep", "edp"))
+    moe = make_moe()
+    own = lambda path, t: (experts, (Shard(0), Shard(1))) if path in ("w1", "w2") else None
+    moe_plan = fs.plan(moe).with_meshes(fs.shard(fs.extract(moe)[0], dense, own))
+    m, tp = parallelized()
+    small = lambda path, t: Replicate() if t.dim() == 1 else None
+    tp_plan = fs.plan(tp, fs.policy.by_type(type(tp.blocks[0])))
+    tp_plan = tp_plan.with_meshes(fs.shard(fs.extract(tp)[0], m["dp"], small))
+    net = make()
+    hsdp = fs.shard(fs.extract(net)[0], mesh(2, 2), (Replicate(), Shard(0)))
+    return moe_plan.groups[0].meshes, tp_plan.groups[1].meshes, fs.plan(net).with_meshes(hsdp)
+
+
+def test_plan_shows_meshes(world4):
+    moe, block, hsdp = world4.run(plan_labels)[0]
+    dense = ("inp.weight", "inp.bias", "router.weight", "head.weight", "head.bias")
+    assert moe == (  # the module's own parameters come first
+        ("gathered over ep(2), edp(2)", ("w1", "w2")),
+        ("gathered over world(4)", dense),
+    ), moe
+    tp = "tensor parallel over tp(2)"
+    assert dict(block) == {
+        "all-reduced over dp(2)": ("blocks.0.norm.weight", "blocks.0.norm.bias"),
+        f"gathered over dp(2), {tp}": ("blocks.0.w1.weight", "blocks.0.w2.weight"),
+        f"all-reduced over dp(2), {tp}": ("blocks.0.w1.bias", "blocks.0.w2.bias"),
+    }, block
+    assert "gathered over shard(2), all-reduced over replicate(2): inp.weight" in str(hsdp), hsdp

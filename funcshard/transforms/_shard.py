@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from .._parallel import (
     check_composable,
     check_model_placements,
+    expert_dims,
     is_model_parallel,
     layout_mesh,
     record,
@@ -72,7 +73,7 @@ def shard(
         if isinstance(x, DTensor):
             target, pl = _resolve(path, x, mesh, placements)
             if is_model_parallel(x, target):
-                x = _shard_model_parallel(path, x, target, pl)
+                x = _shard_model_parallel(path, x, target, pl, mesh)
                 made.add(id(x))
         return x
 
@@ -175,24 +176,45 @@ def _check_mesh(mesh: DeviceMesh) -> None:
     check_mesh("<mesh>", mesh, "shard")
 
 
-def _shard_model_parallel(path: str, x: DTensor, mesh: DeviceMesh, pl) -> DTensor:
-    """A tensor-parallel (or full-SPMD) DTensor -> the 2-D layout: its TP-local tensor sharded
-    over ``mesh`` (see [Note: the 2-D layout] in ``_parallel``)."""
+def _shard_model_parallel(path: str, x: DTensor, mesh: DeviceMesh, pl, data: DeviceMesh):
+    """A tensor-parallel, expert-parallel (or full-SPMD) DTensor -> the 2-D layout: its
+    TP-local tensor sharded over ``mesh`` (see [Note: the 2-D layout] in ``_parallel``);
+    ``data`` is the tree's mesh (see [Note: expert parallelism])."""
     check_model_placements(path, x)
     spmd, dims, full = layout_mesh(path, x, mesh)
-    record(spmd, dims, full, path)
+    experts = expert_dims(path, spmd, dims, data)
+    _check_layout_covers(path, spmd, mesh, x.device_mesh)  # before the layout is recorded
+    check_mesh(path, spmd, "shard")
+    record(spmd, dims, full, path, experts)
     check_storage_placements(path, pl, mesh, x.dim())
     merged = list(x.placements) if full else [*pl, *x.placements]
     for i, p in zip(dims, pl, strict=True):
         merged[i] = p
     check_composable(path, tuple(x.shape), merged, dims, spmd)
     placements = storage_placements(tuple(merged), dims, tuple(spmd.shape))
-    spec = ShardSpec(spmd, placements, tuple(x.shape), tuple(x.stride()), dims, full)
+    spec = ShardSpec(spmd, placements, tuple(x.shape), tuple(x.stride()), dims, full, experts)
     local = _cut(x._local_tensor.detach(), spec.gathered())
     out = DTensor.from_local(
         local, spmd, placements, run_check=False, shape=spec.shape, stride=spec.stride
     )
     return out.requires_grad_(x.requires_grad)
+
+
+def _check_layout_covers(path: str, layout: DeviceMesh, dp: DeviceMesh, model: DeviceMesh):
+    """A 2-D layout must span every rank (a pipeline-parallel dim is not supported).
+
+    Raises:
+        ValueError: naming the parameter, both meshes and the fix.
+    """
+    world = dist.get_world_size()
+    if layout.size() != world:
+        raise ValueError(
+            f"shard: {path!r} is model parallel on {model} and sharded over {dp}: together "
+            f"{layout.size()} ranks, which do not cover the {world} ranks, so its gradients "
+            "would be averaged over part of the data. Shard it over the data-parallel dims "
+            "that, with its model-parallel ones, make a mesh of every rank: mesh['dp'] of a "
+            "(dp, tp) mesh, mesh['efsdp'] of an (efsdp, ep) mesh."
+        )
 
 
 def _cut(x: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
