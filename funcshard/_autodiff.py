@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import _sink, _spec
+from . import _counts, _sink, _spec
 from ._compile import compiling, traced
 from ._spec import LocalShard
 from ._tree import flatten, unflatten
@@ -32,7 +32,10 @@ def value_and_grad(
     input that does not influence the value gets zero gradients. Frozen leaves
     (``requires_grad=False``) and integer leaves get ``None``, with no communication for them
     (see [Note: frozen leaves] for trees where no leaf requires grad). Plain autograd underneath:
-    ``fn`` runs once with fresh leaves, then one ``torch.autograd.grad``.
+    ``fn`` runs once with fresh leaves, then one ``torch.autograd.grad``. A tensor with a
+    leading dim of 0 among the non-differentiated arguments is an empty batch: with
+    ``grad_reduce="mean"`` the ``unshard`` / ``schedule`` calls inside raise on every rank (see
+    docs/failures.md).
 
     Args:
         fn: returns a scalar tensor, or ``(scalar, aux)`` with ``has_aux=True``.
@@ -70,7 +73,8 @@ def value_and_grad(
         outer = bool(_spec.DIRECT)  # see [Note: a value that does not depend on the inputs]
         _spec.DIRECT.append(direct)
         try:
-            with torch.enable_grad(), collect as sink:
+            batch = [a for i, a in enumerate(args) if i not in nums and i - len(args) not in nums]
+            with torch.enable_grad(), collect as sink, _counts.batch(batch, kwargs):
                 out = fn(*args, **kwargs)
                 value, aux = out if has_aux else (out, None)
                 _check_value(fn, value, has_aux)

@@ -30,6 +30,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 from . import _collectives as C
+from . import _counts
 from ._compile import compiling, traced_autograd
 from ._spec import ShardSpec
 
@@ -83,20 +84,29 @@ class Layout:
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """Static options of a gather: dtypes, gradient reduction and the profiler label."""
+    """Options of a gather: dtypes, gradient reduction and the profiler label; with
+    ``grad_reduce="weighted"``, the call's ``counts`` (every rank's, from the exchange: see
+    [Note: ranks that average over different counts] in ``_counts``)."""
 
     label: str
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
-    mean: bool = True
+    grad_reduce: str = "mean"
+    counts: tuple[float | None, ...] | None = None
 
     def key(self) -> tuple:
         """What ranks must agree on (see ``_consensus``)."""
         return (
             ("param_dtype", self.param_dtype),
             ("reduce_dtype", self.reduce_dtype),
-            ("grad_reduce", "mean" if self.mean else "sum"),
+            ("grad_reduce", self.grad_reduce),
         )
+
+    def counted(self, counts: Sequence[float | None]) -> Options:
+        """These options for one call with the ranks' ``counts`` (only ``"weighted"`` uses them)."""
+        if self.grad_reduce != "weighted" or all(c is None for c in counts):
+            return self
+        return dataclasses.replace(self, counts=tuple(counts))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,17 +140,31 @@ class Inflight:
     opts: Options
 
 
-def _comm(layout: Layout, mesh_dim: int, opts: Options, dtype, async_op: bool) -> C.Comm:
-    """``dtype``: the dtype the all-gather sends when no ``param_dtype`` is set."""
+def _comm(
+    layout: Layout, mesh_dim: int, opts: Options, dtype, async_op: bool, first: bool = False
+) -> C.Comm:
+    """``dtype``: the dtype the all-gather sends when no ``param_dtype`` is set. ``first``: the
+    reduction that runs first on the gradient.
+
+    [Note: the first reduction carries the weight]
+    ``"mean"`` divides every reduction by its own group's size (``1/W`` in all). A
+    ``"weighted"`` call's weight ``n_r / N`` is this rank's alone, so it must scale this rank's
+    own contribution once, before anything is summed: it goes to the reduction that runs
+    first, and the others sum. In a gather's backward that is the reduction of the last mesh
+    dim gathered -- the first sharded mesh dim, or without one the last replicated dim (the
+    last ``Broadcast``) --; in :func:`scatter` the first sharded, else the first replicated.
+    """
     mesh = layout.spec.mesh
     gather = opts.param_dtype or dtype
+    weighted = first and opts.counts is not None
     return C.Comm(
         group=mesh.get_group(mesh_dim),
         world=mesh.size(mesh_dim),
         label=opts.label,
         gather_dtype=gather,
         reduce_dtype=opts.reduce_dtype or gather,
-        mean=opts.mean,
+        mean=opts.grad_reduce == "mean",
+        weight=_counts.weight(opts.counts, mesh) if weighted else None,  # type: ignore[arg-type]
         async_op=async_op,
     )
 
@@ -324,8 +348,12 @@ def issue(
         xs, lays = [tensors[i] for i in idx], [layouts[i] for i in idx]
         sharded, replicated = _mesh_dims(lays[0])
         first = sharded[-1] if sharded else replicated[0]  # see [Note: order of mesh dims]
-        comm = _comm(lays[0], first, opts, out_dtypes[idx[0]], async_op)
-        replicas = [_comm(lays[0], r, opts, xs[0].dtype, async_op) for r in replicated]
+        # see [Note: the first reduction carries the weight]
+        comm = _comm(lays[0], first, opts, out_dtypes[idx[0]], async_op, len(sharded) == 1)
+        replicas = [
+            _comm(lays[0], r, opts, xs[0].dtype, async_op, not sharded and r == replicated[-1])
+            for r in replicated
+        ]
         if sharded:
             state: _Level | list[torch.Tensor] = _start_level(xs, lays, first, comm, replicas)
         else:
@@ -363,7 +391,7 @@ def finish(inflight: Inflight, into: Sequence[torch.Tensor] | None = None) -> li
             more = _mesh_dims(b.layouts[0])[0][:-1]  # further sharded mesh dims: synchronous
             fulls = _finish_level(fulls, None if more else targets)
             for m in reversed(more):
-                comm = _comm(b.layouts[0], m, inflight.opts, fulls[0].dtype, False)
+                comm = _comm(b.layouts[0], m, inflight.opts, fulls[0].dtype, False, m == more[0])
                 level = _start_level(fulls, b.layouts, m, comm)
                 fulls = _finish_level(level, targets if m == more[0] else None)
         elif targets is not None:
@@ -395,7 +423,7 @@ def scatter(
         sharded, replicated = _mesh_dims(lays[0])
         red = _comm(lays[0], 0, opts, xs[0].dtype, False).reduce_dtype
         for j, m in enumerate(sharded):
-            comm = _comm(lays[0], m, opts, xs[0].dtype, False)
+            comm = _comm(lays[0], m, opts, xs[0].dtype, False, j == 0)
             dims = [lay.dim(m) for lay in lays]
             chunks = [-(-x.shape[d] // comm.world) for x, d in zip(xs, dims, strict=True)]
             rows = [
@@ -413,14 +441,17 @@ def scatter(
             xs = _split(flat, shapes, dims, sizes)
         if not sharded:
             flat = torch.cat([x.reshape(-1) for x in xs]).to(red)
-            flat = _all_reduce(flat, lays[0], replicated, opts)
+            flat = _all_reduce(flat, lays[0], replicated, opts, first=True)
             xs = _split(flat, [x.shape for x in xs], [None] * len(xs), [None] * len(xs))
         for i, x in zip(idx, xs, strict=True):
             out[i] = x.to(out_dtypes[i])
     return out  # type: ignore[return-value]
 
 
-def _all_reduce(flat, layout: Layout, mesh_dims, opts: Options) -> torch.Tensor:
-    for m in mesh_dims:
-        flat = C.AllReduce.apply(flat, _comm(layout, m, opts, flat.dtype, False))
+def _all_reduce(flat, layout: Layout, mesh_dims, opts: Options, first=False) -> torch.Tensor:
+    """All-reduce over ``mesh_dims`` in order; ``first``: the first of them is the first
+    reduction of the gradient (see :func:`_comm`)."""
+    for i, m in enumerate(mesh_dims):
+        comm = _comm(layout, m, opts, flat.dtype, False, first and i == 0)
+        flat = C.AllReduce.apply(flat, comm)
     return flat

@@ -74,7 +74,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from . import _compile, _flat, _parallel, _recompute, _sink
+from . import _compile, _counts, _flat, _parallel, _recompute, _sink
 from ._collectives import Notify, async_allowed
 from ._consensus import agree, cached_digest, failing, leaf
 from ._deferred import Deferred
@@ -83,7 +83,6 @@ from ._plan import Plan, Step
 from ._profiling import span
 from ._spec import LocalShard, as_locals, check_materialized
 from ._torch_checkpoint import bind, check_not_reentrant, current_frame, reparametrized
-from .transforms._unshard import reduce_mean
 
 
 def schedule(
@@ -94,7 +93,8 @@ def schedule(
     reduce_dtype: torch.dtype | None = None,
     grad_reduce: str = "mean",
 ) -> Callable[..., Any]:
-    """``apply(sharded, *args, buffers=None, **kwargs)`` running ``module`` as ``plan`` says.
+    """``apply(sharded, *args, buffers=None, count=None, **kwargs)`` running ``module`` as
+    ``plan`` says.
 
     ``apply`` equals ``functional_call(module, (unshard(sharded), buffers), args, kwargs)`` in
     value and gradient, with FSDP2's memory behaviour: one group unsharded at a time plus
@@ -106,7 +106,9 @@ def schedule(
             on the meta device).
         plan: from :func:`~funcshard.plan`.
         param_dtype, reduce_dtype, grad_reduce: as in :func:`~funcshard.unshard`; a group's own
-            dtypes in the plan (:class:`~funcshard.Group`) take precedence.
+            dtypes in the plan (:class:`~funcshard.Group`) take precedence. ``apply``'s
+            ``count`` is :func:`~funcshard.unshard`'s (``"mean"`` also infers 0 from a
+            leading dim of 0 in ``args`` / ``kwargs``).
 
     ``sharded`` is the flat ``{fqn: DTensor}`` dict from :func:`~funcshard.shard` (LocalShards
     inside ``torch.func``); entries for parameters outside the plan's groups (ignored ones) must
@@ -114,20 +116,25 @@ def schedule(
 
     Raises:
         ValueError: a planned parameter is missing from ``sharded``, or a sharded one is in no
-            group; a recompute group is not a module holding only its own group's parameters.
+            group; a recompute group is not a module holding only its own group's parameters;
+            bad ``grad_reduce`` or ``count``, or an empty batch with ``"mean"`` (see
+            :func:`~funcshard.unshard`).
         TypeError: ``sharded`` is not a mapping, or a planned entry is not a shard.
     """
-    mean = reduce_mean(grad_reduce)
+    mode = _counts.mode(grad_reduce)
     group_of = plan.group_of()
     tied = aliases(module)
     unplanned = [n for n, _ in module.named_parameters() if n not in group_of and n not in tied]
     recomputed = _recompute.modules(module, plan)  # see [Note: recompute as part of the plan]
 
     @_compile.traced  # see [Note: funcshard under torch.compile]
-    def apply(sharded: Mapping[str, Any], *args: Any, buffers=None, **kwargs: Any) -> Any:
+    def apply(
+        sharded: Mapping[str, Any], *args: Any, buffers=None, count=None, **kwargs: Any
+    ) -> Any:
         with failing("schedule"):  # see [Note: one status per call] in _consensus
             params = _check_tree(sharded, group_of, unplanned)
-            run = _Run(plan, sharded, _flat.Options("", param_dtype, reduce_dtype, mean))
+            count = _counts.own("schedule", mode, count, (args, kwargs))
+            run = _Run(plan, sharded, _flat.Options("", param_dtype, reduce_dtype, mode), count)
             deferred = {fqn: Deferred(fqn, *run.metadata(fqn), run) for fqn in group_of}
             check_not_wrapped(module, "functional_call")
             named = slots(module, ({**params, **deferred}, buffers or {}), True, False)
@@ -206,8 +213,9 @@ _STATIC: collections.OrderedDict[tuple, _Static] = collections.OrderedDict()
 _STATIC_SIZE = 64  # structures remembered per process (least recently used dropped)
 
 
-def _static(plan: Plan, names, locals_, specs, opts: _flat.Options) -> _Static:
-    """The layouts and group options of a call, checked (materialised shards, ranks agree).
+def _static(plan: Plan, names, locals_, specs, opts: _flat.Options, count=None):
+    """The layouts and group options of a call, checked (materialised shards, ranks agree),
+    and every rank's count (see [Note: ranks that average over different counts]).
 
     [Note: per-structure state of a call]
     Per call, ``schedule`` needs each parameter's ``Layout`` (its spec's shapes per mesh dim,
@@ -222,6 +230,7 @@ def _static(plan: Plan, names, locals_, specs, opts: _flat.Options) -> _Static:
     a dropped structure is checked again when it comes back.
     """
     key = None
+    count = _counts.differentiated(count, locals_)
     if not _compile.compiling():
         leaves = tuple(
             (s, t.dtype, t.requires_grad, t.shape, t.device)
@@ -233,8 +242,9 @@ def _static(plan: Plan, names, locals_, specs, opts: _flat.Options) -> _Static:
         found = _STATIC.get(key)
         if found is not None:
             _STATIC.move_to_end(key)
-            agree("schedule", *found.agreement)
-            return found
+            counts = agree("schedule", *found.agreement, count=count)
+            _counts.check("schedule", opts.grad_reduce, counts)
+            return found, counts
     layouts = tuple(
         _flat.Layout.of(p, spec, t) for p, spec, t in zip(names, specs, locals_, strict=True)
     )
@@ -242,13 +252,14 @@ def _static(plan: Plan, names, locals_, specs, opts: _flat.Options) -> _Static:
     entries = [leaf(p, spec, t) for p, spec, t in zip(names, specs, locals_, strict=True)]
     agreement = (entries, (*opts.key(), ("plan", plan)))
     agreement = (*agreement, None, cached_digest("schedule", *agreement))
-    agree("schedule", *agreement)
+    counts = agree("schedule", *agreement, count=count)
+    _counts.check("schedule", opts.grad_reduce, counts)
     options = {
         g.name: _flat.Options(
             g.name,
             g.param_dtype or opts.param_dtype,
             g.reduce_dtype or opts.reduce_dtype,
-            opts.mean,
+            opts.grad_reduce,
         )
         for g in plan.groups
     }
@@ -257,7 +268,7 @@ def _static(plan: Plan, names, locals_, specs, opts: _flat.Options) -> _Static:
         while _STATIC and len(_STATIC) >= _STATIC_SIZE:
             _STATIC.popitem(last=False)
         _STATIC[key] = static
-    return static
+    return static, counts
 
 
 class _Saved:
@@ -385,7 +396,7 @@ class _Cursor:
 class _Run:
     """The state of one ``apply`` call and of its backward."""
 
-    def __init__(self, plan: Plan, sharded: Mapping[str, Any], opts: _flat.Options) -> None:
+    def __init__(self, plan: Plan, sharded: Mapping[str, Any], opts: _flat.Options, count=None):
         self.plan = plan
         self.sink = _sink.current()
         # Frees need a way to refill storage before backward reads it: saved-tensor hooks,
@@ -397,7 +408,7 @@ class _Run:
         self.index: dict[str, tuple[_Group, int]] = {}
         names = [p for g in plan.groups for p in g.params]
         locals_, specs = as_locals(names, [sharded[p] for p in names], "schedule")
-        static = _static(plan, names, locals_, specs, opts)
+        static, counts = _static(plan, names, locals_, specs, opts, count)
         at = 0
         for g in plan.groups:
             n = len(g.params)
@@ -406,7 +417,7 @@ class _Run:
                 [sharded[p] for p in g.params],
                 locals_[at : at + n],
                 static.layouts[at : at + n],
-                static.options[g.name],
+                static.options[g.name].counted(counts),
                 specs[at : at + n],
             )
             at += n

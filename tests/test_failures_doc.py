@@ -51,6 +51,7 @@ AREAS = {
     "_autodiff.py": GRADIENTS,
     "transforms/_unshard.py": GRADIENTS,
     "transforms/_reduce.py": GRADIENTS,
+    "_counts.py": GRADIENTS,
     "_extract.py": MODULES,
     "_meta.py": MODULES,
     "_torch_checkpoint.py": MODULES,
