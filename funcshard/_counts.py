@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -180,7 +181,12 @@ def _error(fn: str, op: str, counts: Sequence[Count]) -> Exception | None:
 def weight(counts: Sequence[Count], mesh: DeviceMesh) -> float:
     """This rank's weight ``n_r / N`` over the ranks of ``mesh`` (``counts``: every rank's of
     the default group, indexed by global rank); 0.0 if their counts are all 0."""
-    ranks = mesh.mesh.flatten().tolist()
-    total = sum(counts[r] for r in ranks)  # type: ignore[misc]
+    total = sum(counts[r] for r in _ranks(mesh))  # type: ignore[misc]
     mine = counts[dist.get_rank() if dist.is_initialized() else 0]
     return mine / total if total else 0.0  # type: ignore[operator]
+
+
+@functools.lru_cache(maxsize=256)
+def _ranks(mesh: DeviceMesh) -> tuple[int, ...]:
+    """The global ranks of ``mesh`` (a sub-mesh: those of this rank's slice)."""
+    return tuple(mesh.mesh.flatten().tolist())
