@@ -3,7 +3,7 @@
 ``grad_reduce="weighted"`` gives the gradient of the mean over the global batch, checked against
 the unsharded model on the concatenated batches (uneven, one empty), through ``unshard``,
 ``schedule`` (tokens counted from labels of -100), DDP and HSDP layouts and ``reduce``, with the
-same collectives as ``"mean"``."""
+same collectives as ``"mean"``; FSDP x TP counts the data-parallel ranks."""
 
 from __future__ import annotations
 
@@ -228,3 +228,30 @@ def bad_counts():
 def test_bad_counts_are_errors_on_every_rank(world2):
     for found in world2.run(bad_counts):
         assert found == {**{k: None for k in found if k != "after"}, "after": 1.0}
+
+
+def weighted_2d():
+    """FSDP x TP: the weight's N sums the counts over the data-parallel ranks only (the tensor-
+    parallel ranks of a data-parallel slot hold the same batch)."""
+    from _tp import batch, dp_rank, loss, make, parallelized
+
+    m, model = parallelized()
+    sharded = fs.shard(fs.extract(model)[0], m["dp"])
+    gx, gy = batch(0)  # 6 rows: data-parallel rank 0 takes 5, rank 1 takes 1
+    rows = slice(0, 5) if dp_rank(m) == 0 else slice(5, 6)
+    x, y = gx[rows], gy[rows]
+
+    def loss_fn(p):
+        full = fs.unshard(p, grad_reduce="weighted", count=len(x))
+        return loss(fs.functional_call(model, full, (x,)), y)
+
+    _, grads = fs.value_and_grad(loss_fn)(sharded)
+    ref = make()
+    loss(ref(gx), gy).backward()
+    rp = dict(ref.named_parameters())
+    return max((g.full_tensor() - rp[k].grad).abs().max().item() for k, g in grads.items())
+
+
+def test_weighted_fsdp_x_tp_counts_data_parallel_ranks(world4):
+    for err in world4.run(weighted_2d):
+        assert err < 1e-5, err
