@@ -74,7 +74,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from . import _compile, _counts, _flat, _parallel, _recompute, _sink
+from . import _compile, _counts, _flat, _grad_layout, _parallel, _recompute, _sink
 from ._collectives import Notify, async_allowed
 from ._consensus import agree, cached_digest, failing, leaf
 from ._deferred import Deferred
@@ -327,7 +327,8 @@ class _Group:
         with span("wait", self.name):
             if self.raw is None:
                 self.raw = _flat.finish(inflight)
-                self.fulls = list(Notify.apply(notify, *self.raw)) if notify else self.raw
+                fulls = _grad_layout.capture(self.leaves, self.raw, self.opts)  # ZeRO-2
+                self.fulls = list(Notify.apply(notify, *fulls)) if notify else fulls
                 self.fulls = _parallel.wrap(self.fulls, self.specs)
                 seen = {}
                 for t in self.raw if freeable else ():

@@ -52,6 +52,7 @@ AREAS = {
     "transforms/_unshard.py": GRADIENTS,
     "transforms/_reduce.py": GRADIENTS,
     "_counts.py": GRADIENTS,
+    "_grad_layout.py": GRADIENTS,
     "_extract.py": MODULES,
     "_meta.py": MODULES,
     "_torch_checkpoint.py": MODULES,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _consensus, _counts, _flat, _parallel, _sink
+from .. import _consensus, _counts, _flat, _grad_layout, _parallel, _sink
 from .._compile import traced
 from .._spec import as_locals, check_materialized
 from .._tree import PyTree, flatten, unflatten
@@ -71,6 +71,7 @@ def unshard(
         _counts.check("unshard", opts.grad_reduce, counts)
         opts = opts.counted(counts)
     fulls = _flat.gather(locals_, layouts, opts) if locals_ else []
+    fulls = _grad_layout.capture(leaves, fulls, opts)  # see [Note: gradients in the ... layout]
     if (sink := _sink.current()) is not None:  # see [Note: gradient accumulation without ...]
         _parallel.refuse_unsynced(paths, specs, "unshard")
         sink.track(leaves, fulls)
