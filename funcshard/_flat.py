@@ -411,27 +411,34 @@ def scatter(
     layouts: Sequence[Layout],
     out_dtypes: Sequence[torch.dtype],
     opts: Options,
+    async_op: bool = False,
 ) -> list[torch.Tensor]:
     """Reduce-scatter full (logical) tensors to the local shards described by ``layouts``.
 
     The adjoint of :func:`gather`: sharded mesh dims from the first to the last, then an
-    all-reduce of the (smallest) flat result over replicated mesh dims. Synchronous.
+    all-reduce of the (smallest) flat result over replicated mesh dims. Synchronous, unless
+    ``async_op``: then a bucket whose last step is a reduce-scatter already in the results'
+    dtypes returns its results pending (see [Note: pending tensors] in ``_collectives``: the
+    caller waits each with ``wait``). Outside autograd the concatenated input is donated.
     """
     out: list[torch.Tensor | None] = [None] * len(fulls)
     for idx in _buckets(fulls, layouts):
         xs, lays = [fulls[i] for i in idx], [layouts[i] for i in idx]
         sharded, replicated = _mesh_dims(lays[0])
         red = _comm(lays[0], 0, opts, xs[0].dtype, False).reduce_dtype
+        pending = async_op and not replicated and all(out_dtypes[i] == red for i in idx)
         for j, m in enumerate(sharded):
-            comm = _comm(lays[0], m, opts, xs[0].dtype, False, j == 0)
+            last = j == len(sharded) - 1
+            comm = _comm(lays[0], m, opts, xs[0].dtype, pending and last, j == 0)
             dims = [lay.dim(m) for lay in lays]
             chunks = [-(-x.shape[d] // comm.world) for x, d in zip(xs, dims, strict=True)]
             rows = [
                 _to_rank_major(_pad(x, d, c * comm.world), d, comm.world)
                 for x, d, c in zip(xs, dims, chunks, strict=True)
             ]
-            flat = C.ReduceScatter.apply(torch.cat(rows, dim=1).reshape(-1), comm, red)
-            if j == len(sharded) - 1:
+            flat = torch.cat(rows, dim=1).reshape(-1)
+            flat = C.ReduceScatter.apply(flat, comm, red, not torch.is_grad_enabled())
+            if last:
                 flat = _all_reduce(flat, lays[0], replicated, opts)
             shapes = [
                 (*x.shape[:d], c, *x.shape[d + 1 :])

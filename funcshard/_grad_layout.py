@@ -22,8 +22,9 @@ the blocks to the ``Into`` and returns no gradient. ``value_and_grad`` asks auto
 gradient of the ``Into``'s anchor (a scalar every capture takes as an input) instead of those
 leaves' local shards, so the gather's backward (the all-reduce) never runs. The node holds the
 ``Into`` weakly: nothing of a call is kept by a graph that outlives it. Plain autograd only (not
-inside ``torch.func`` transforms or ``torch.compile``), 1-D layouts; the reduction is synchronous
-(not overlapped with the next group's backward yet).
+inside ``torch.func`` transforms or ``torch.compile``), 1-D layouts. A reduce-scatter is left
+pending (see [Note: pending tensors] in ``_collectives``), so that it overlaps the next group's
+backward, and waited when ``value_and_grad`` builds the gradients.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from . import _collectives as C
 from . import _flat
 from ._spec import ShardSpec
 
@@ -56,8 +58,9 @@ class Into:
         self.blocks: dict[int, torch.Tensor] = {}
 
     def add(self, ids: Sequence[int], blocks: Sequence[torch.Tensor]) -> None:
+        """Blocks may be pending (issued, not waited): waited when read."""
         for i, b in zip(ids, blocks, strict=True):
-            self.blocks[i] = b if i not in self.blocks else self.blocks[i] + b
+            self.blocks[i] = b if i not in self.blocks else C.wait(self.blocks[i]) + C.wait(b)
 
     def gradient(self, leaf: DTensor) -> DTensor:
         """``leaf``'s gradient in its target placements (zeros if no gather of it was used)."""
@@ -65,7 +68,7 @@ class Into:
         block = self.blocks.get(id(leaf))
         if block is None:
             block = torch.zeros(spec.level_shapes()[-1], dtype=leaf.dtype, device=leaf.device)
-        return _placed(block, spec)
+        return _placed(C.wait(block), spec)
 
 
 def targets(
@@ -194,5 +197,5 @@ class _Capture(torch.autograd.Function):
         ref, ids, layouts, dtypes, opts = ctx.info
         into = ref()
         if into is not None:
-            into.add(ids, _flat.scatter(list(grads), layouts, dtypes, opts))
+            into.add(ids, _flat.scatter(list(grads), layouts, dtypes, opts, C.async_allowed()))
         return (None, None, *(None for _ in grads))
