@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from . import _consensus
 from ._compile import compiling
 from ._spec import LocalShard
 
@@ -114,7 +115,7 @@ def own(fn: str, op: str, count: Any, inputs: Any = None) -> Count:
     return _number(fn, count)
 
 
-def differentiated(count: Count, shards: Sequence[torch.Tensor]) -> Count:
+def _differentiated(count: Count, shards: Sequence[torch.Tensor]) -> Count:
     """``count`` if the call computes gradients of ``shards`` (grad mode on, one requires
     grad), else None: a forward without gradients reduces nothing, so nothing is checked."""
     if count is None or not torch.is_grad_enabled():
@@ -135,6 +136,16 @@ def _number(fn: str, count: Any) -> float:
             f"tokens), got {count!r}."
         )
     return float(count)
+
+
+def agree(fn: str, op: str, count: Count, shards, *agreement) -> list[Count]:
+    """:func:`~funcshard._consensus.agree` (``agreement``: its arguments) with this rank's
+    ``count`` -- published when the call differentiates ``shards`` (always if ``None``: the
+    call's own reduction) -- and the ranks' counts checked for ``op``; returns them."""
+    count = count if shards is None else _differentiated(count, shards)
+    counts = _consensus.agree(fn, *agreement, count=count)
+    check(fn, op, counts)
+    return counts
 
 
 def check(fn: str, op: str, counts: Sequence[Count]) -> None:

@@ -76,7 +76,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _compile, _counts, _flat, _grad_layout, _parallel, _recompute, _sink
 from ._collectives import Notify, async_allowed
-from ._consensus import agree, cached_digest, failing, leaf
+from ._consensus import cached_digest, failing, leaf
 from ._deferred import Deferred
 from ._extract import aliases, call, check_not_wrapped, eager_grad, slots
 from ._plan import Plan, Step
@@ -230,7 +230,6 @@ def _static(plan: Plan, names, locals_, specs, opts: _flat.Options, count=None):
     a dropped structure is checked again when it comes back.
     """
     key = None
-    count = _counts.differentiated(count, locals_)
     if not _compile.compiling():
         leaves = tuple(
             (s, t.dtype, t.requires_grad, t.shape, t.device)
@@ -242,8 +241,7 @@ def _static(plan: Plan, names, locals_, specs, opts: _flat.Options, count=None):
         found = _STATIC.get(key)
         if found is not None:
             _STATIC.move_to_end(key)
-            counts = agree("schedule", *found.agreement, count=count)
-            _counts.check("schedule", opts.grad_reduce, counts)
+            counts = _counts.agree("schedule", opts.grad_reduce, count, locals_, *found.agreement)
             return found, counts
     layouts = tuple(
         _flat.Layout.of(p, spec, t) for p, spec, t in zip(names, specs, locals_, strict=True)
@@ -252,8 +250,7 @@ def _static(plan: Plan, names, locals_, specs, opts: _flat.Options, count=None):
     entries = [leaf(p, spec, t) for p, spec, t in zip(names, specs, locals_, strict=True)]
     agreement = (entries, (*opts.key(), ("plan", plan)))
     agreement = (*agreement, None, cached_digest("schedule", *agreement))
-    counts = agree("schedule", *agreement, count=count)
-    _counts.check("schedule", opts.grad_reduce, counts)
+    counts = _counts.agree("schedule", opts.grad_reduce, count, locals_, *agreement)
     options = {
         g.name: _flat.Options(
             g.name,

@@ -6,7 +6,7 @@ import torch
 
 from .. import _counts, _flat
 from .._compile import traced
-from .._consensus import agree, failing
+from .._consensus import failing
 from .._dtensor import dtensors_of, unwrap
 from .._parallel import model_local
 from .._spec import LocalShard, ShardSpec, spec_of
@@ -76,8 +76,7 @@ def reduce(
         opts = _flat.Options("reduce", reduce_dtype=reduce_dtype, grad_reduce=op)
         entries = [(paths[i], s, d, True) for i, s, d in zip(given, specs, dtypes, strict=True)]
         wire = ("grad_dtypes", tuple(fulls[i].dtype for i in given))
-        counts = agree("reduce", entries, (*opts.key(), wire), count=count)
-        _counts.check("reduce", op, counts)
+        counts = _counts.agree("reduce", op, count, None, entries, (*opts.key(), wire))
         opts = opts.counted(counts)
     reduced = _flat.scatter([fulls[i] for i in given], layouts, dtypes, opts) if given else []
     outs: list = [None] * len(fulls)

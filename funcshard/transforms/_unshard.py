@@ -64,11 +64,10 @@ def unshard(
         layouts = [_flat.Layout.of(p, s, t) for p, s, t in found]
         check_materialized(paths, locals_, "unshard")
         opts = _flat.Options("unshard", param_dtype, reduce_dtype, _counts.mode(grad_reduce))
-        count = _counts.differentiated(_counts.own("unshard", opts.grad_reduce, count), locals_)
+        count = _counts.own("unshard", opts.grad_reduce, count)
         entries = zip(paths, specs, locals_, strict=True)
         leaves_ = [_consensus.leaf(p, s, t) for p, s, t in entries]
-        counts = _consensus.agree("unshard", leaves_, opts.key(), count=count)
-        _counts.check("unshard", opts.grad_reduce, counts)
+        counts = _counts.agree("unshard", opts.grad_reduce, count, locals_, leaves_, opts.key())
         opts = opts.counted(counts)
     fulls = _flat.gather(locals_, layouts, opts) if locals_ else []
     fulls = _grad_layout.capture(leaves, fulls, opts)  # see [Note: gradients in the ... layout]
