@@ -10,8 +10,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import _sink, _spec
+from . import _counts, _grad_layout, _sink, _spec
 from ._compile import traced
+from ._grad_layout import GradPlacements
 from ._mode import Mode
 from ._spec import LocalShard
 from ._tree import flatten, unflatten
@@ -24,6 +25,7 @@ def value_and_grad(
     has_aux: bool = False,
     *,
     sync_grads: bool = True,
+    grad_placements: GradPlacements | None = None,
 ) -> Callable[..., tuple[Any, Any]]:
     """``fn(sharded, *args) -> scalar`` becomes ``f(sharded, *args) -> (value, grads)``.
 
@@ -33,7 +35,10 @@ def value_and_grad(
     input that does not influence the value gets zero gradients. Frozen leaves
     (``requires_grad=False``) and integer leaves get ``None``, with no communication for them
     (see [Note: frozen leaves] for trees where no leaf requires grad). Plain autograd underneath:
-    ``fn`` runs once with fresh leaves, then one ``torch.autograd.grad``.
+    ``fn`` runs once with fresh leaves, then one ``torch.autograd.grad``. A tensor with a
+    leading dim of 0 among the non-differentiated arguments is an empty batch: with
+    ``grad_reduce="mean"`` the ``unshard`` / ``schedule`` calls inside raise on every rank (see
+    docs/failures.md).
 
     Args:
         fn: returns a scalar tensor, or ``(scalar, aux)`` with ``has_aux=True``.
@@ -43,9 +48,17 @@ def value_and_grad(
             are this rank's *unreduced full* gradients (plain tensors of the global shape, in
             the shard's dtype), to accumulate over micro-batches and reduce once with
             :func:`~funcshard.reduce`. See [Note: gradient accumulation without communication].
+        grad_placements: ``fn(path, param) -> placements | None`` for the gradients of
+            replicated DTensor parameters (a ``Replicate()`` mesh dim), e.g.
+            ``fs.optim.state_placements``: their gradients are reduce-scattered straight into
+            these placements (ZeRO-2, for ``fs.optim.shard_state`` with the same placements)
+            instead of all-reduced whole. See [Note: gradients in the optimizer state's layout].
 
     Raises:
         TypeError: the value is not a scalar tensor, or a differentiated leaf is not a tensor.
+        ValueError: ``grad_placements`` that do not refine a parameter's placements.
+        NotImplementedError: ``grad_placements`` with ``sync_grads=False``, inside a
+            ``torch.func`` transform or ``torch.compile``, or for a 2-D (FSDP x TP) layout.
     """
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
@@ -56,6 +69,9 @@ def value_and_grad(
         rebuild, inputs, inputs_leaves = [], [], []
         direct: dict[int, tuple[DTensor, torch.Tensor]] = {}
         plain = Mode.now().plain
+        moved: dict = {}  # see [Note: gradients in the optimizer state's layout]
+        if grad_placements is not None:
+            _refuse_grad_placements(fn, plain, sync_grads)
         for n in nums:
             paths, leaves, spec = flatten(args[n])
             wanted = _differentiated(paths, leaves)
@@ -63,15 +79,24 @@ def value_and_grad(
                 _fresh_leaf(x, w, direct if plain else None)
                 for x, w in zip(leaves, wanted, strict=True)
             ]
+            if grad_placements is not None:
+                moved.update(_grad_layout.targets(paths, fresh, wanted, grad_placements))
             args[n] = unflatten(spec, fresh)
             rebuild.append((spec, len(fresh), len(inputs)))
             inputs.extend(_tensor(x) if w else None for x, w in zip(fresh, wanted, strict=True))
             inputs_leaves.extend(fresh)
         collect = _sink.collecting() if not sync_grads else nullcontext()
+        into = _grad_layout.Into(moved) if moved else None
         outer = bool(_spec.DIRECT)  # see [Note: a value that does not depend on the inputs]
         _spec.DIRECT.append(direct)
         try:
-            with torch.enable_grad(), collect as sink:
+            batch = [a for i, a in enumerate(args) if i not in nums and i - len(args) not in nums]
+            with (
+                torch.enable_grad(),
+                collect as sink,
+                _counts.batch(batch, kwargs),
+                _grad_layout.collecting(into),
+            ):
                 out = fn(*args, **kwargs)
                 value, aux = out if has_aux else (out, None)
                 _check_value(fn, value, has_aux)
@@ -80,7 +105,7 @@ def value_and_grad(
                 elif not value.requires_grad and id(direct) in _NESTED:
                     raise _nested_error(fn)
                 if sink is None:
-                    grads = _grads(value, inputs, inputs_leaves, direct)
+                    grads = _grads(value, inputs, inputs_leaves, direct, into)
                 else:
                     grads = _unreduced(value, sink, inputs, inputs_leaves)
         finally:
@@ -100,9 +125,12 @@ def grad(
     has_aux: bool = False,
     *,
     sync_grads: bool = True,
+    grad_placements: GradPlacements | None = None,
 ) -> Callable[..., Any]:
     """Like :func:`value_and_grad` but returns only the gradients (``(grads, aux)`` with aux)."""
-    vg = value_and_grad(fn, argnums, has_aux, sync_grads=sync_grads)
+    vg = value_and_grad(
+        fn, argnums, has_aux, sync_grads=sync_grads, grad_placements=grad_placements
+    )
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
@@ -129,6 +157,17 @@ def _nested_error(fn) -> TypeError:
         "is detached: the outer gradients would be zeros. Differentiate once (return what you "
         "need as aux with has_aux=True), or use torch.func.grad for higher-order derivatives."
     )
+
+
+def _refuse_grad_placements(fn, plain: bool, sync_grads: bool) -> None:
+    if not sync_grads or not plain:
+        where = "with sync_grads=False" if not sync_grads else "inside torch.func or compile"
+        raise NotImplementedError(
+            f"value_and_grad: grad_placements {where} is not supported: the gradients are "
+            "reduce-scattered in the backward of plain autograd. Drop grad_placements (the "
+            "gradients come back placed like the parameters; fs.optim.shard_state takes its "
+            "share of them)."
+        )
 
 
 def _check_argnums(fn, nums: tuple, given: int) -> None:
@@ -213,7 +252,7 @@ def _fresh_leaf(x, differentiated: bool, direct: dict | None = None):
     return LocalShard(t, x.spec) if isinstance(x, LocalShard) else t
 
 
-def _grads(value, inputs, leaves, direct) -> list[Any]:
+def _grads(value, inputs, leaves, direct, into=None) -> list[Any]:
     """Gradients of ``value`` w.r.t. ``inputs`` (``None`` entries: not differentiated).
 
     [Note: differentiating the local shards]
@@ -230,18 +269,25 @@ def _grads(value, inputs, leaves, direct) -> list[Any]:
     added. ``_spec.DIRECT`` holds the leaves only during the call: nothing of it is reachable
     from the graph. Under ``torch.func`` transforms and ``torch.compile`` the old route stays.
     """
+    moved = into.targets if into is not None else {}  # see [Note: gradients in the ... layout]
     extra = [x for x, t in zip(leaves, inputs, strict=True) if t is not None and id(x) in direct]
     wanted = [
         direct[id(x)][1] if id(x) in direct else t
         for t, x in zip(inputs, leaves, strict=True)
-        if t is not None
+        if t is not None and id(x) not in moved
     ]
-    found = _autograd(value, wanted + extra)
+    found = _autograd(value, wanted + extra + ([into.anchor] if moved else []))
     found, also = iter(found[: len(wanted)]), iter(found[len(wanted) :])
     out = []
     for t, x in zip(inputs, leaves, strict=True):
         if t is None:
             out.append(None)
+            continue
+        if id(x) in moved:
+            g, via_dtensor = into.gradient(x), next(also)
+            if via_dtensor is not None:  # fn used the DTensor itself too
+                g = g + _grad_layout.view(via_dtensor, g.placements)
+            out.append(g)
             continue
         g = next(found)
         if id(x) in direct:

@@ -95,7 +95,9 @@ class Comm:
     batch dim to the front and increment it. ``gather_dtype`` is the dtype sent by all-gather and
     ``reduce_dtype`` the dtype reductions run in (``None``: the input's). ``mean`` scales
     reductions by ``1/(world * over)``: ``over`` is the size of the expert-parallel dims whose
-    ranks' losses the gradient already sums (see [Note: expert parallelism] in ``_parallel``).
+    ranks' losses the gradient already sums (see [Note: expert parallelism] in ``_parallel``);
+    ``weight`` (``grad_reduce="weighted"``) scales this rank's input by it instead (see [Note:
+    ranks that average over different counts] in ``_counts``).
     """
 
     group: dist.ProcessGroup = dataclasses.field(compare=False)
@@ -105,6 +107,7 @@ class Comm:
     gather_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     mean: bool = True
+    weight: float | None = None
     async_op: bool = False
     over: int = 1
 
@@ -137,9 +140,10 @@ def wait(t: torch.Tensor) -> torch.Tensor:
 
 
 def _reduce_input(x: torch.Tensor, comm: Comm, donated: bool) -> tuple[torch.Tensor, bool]:
-    """``x`` in the reduce dtype, pre-divided for ``mean`` (in place if donated or a fresh copy:
-    a sum of already-averaged terms cannot overflow in low precision). Also: whether the result
-    is ours to free."""
+    """``x`` in the reduce dtype, pre-divided for ``mean`` or pre-scaled by ``weight`` (in place
+    if donated or a fresh copy: a sum of already-averaged terms cannot overflow in low
+    precision; a weight of 0 gives zeros, even for a NaN gradient). Also: whether the result is
+    ours to free."""
     red = comm.reduce_dtype or x.dtype
     if red != x.dtype:
         cast = x.to(red)
@@ -147,7 +151,11 @@ def _reduce_input(x: torch.Tensor, comm: Comm, donated: bool) -> tuple[torch.Ten
             _free_donated(x)  # see [Note: the cast frees its source]
         x, donated = cast, True
     n = comm.world * comm.over
-    if comm.mean and n > 1:
+    if comm.weight == 0:
+        x, donated = (x.zero_() if donated else torch.zeros_like(x)), True
+    elif comm.weight is not None:
+        x, donated = (x.mul_(comm.weight), True) if donated else (x * comm.weight, True)
+    elif comm.mean and n > 1:
         x, donated = (x.div_(n), True) if donated else (x / n, True)
     return x.contiguous(), donated
 
@@ -482,8 +490,9 @@ class OneRank(_Function):
 
 
 class ReduceScatter(_Function):
-    """Sum (``comm.mean``: average) over ranks, keep this rank's chunk of ``comm.dim``, return it
-    in ``out_dtype``; backward: :class:`AllGather`. ``donated``: ``x`` may be scaled in place."""
+    """Sum (``comm.mean``: average, ``comm.weight``: weighted) over ranks, keep this rank's
+    chunk of ``comm.dim``, return it in ``out_dtype``; backward: :class:`AllGather`.
+    ``donated``: ``x`` may be scaled in place."""
 
     @staticmethod
     def forward(x: torch.Tensor, comm: Comm, out_dtype: torch.dtype, donated: bool = False):

@@ -7,11 +7,12 @@ process ("Received data size doesn't match"), or -- worse -- sizes happen to agr
 result is garbage. And if one rank raises before its collectives (a missing key, a shard on
 meta) while the others go on, a program that catches the error pairs that rank's next call with
 the others' current one. So every call of ``unshard``, ``reduce`` and a scheduled ``apply``
-publishes one status before its first collective -- a 64-bit hash of its structure, or its
-error -- and reads everyone's:
+publishes one status before its first collective -- a 64-bit hash of its structure (with this
+rank's count of samples: see [Note: ranks that average over different counts] in ``_counts``),
+or its error -- and reads everyone's:
 
-- all equal: the call goes on (the hash of a structure seen before is cached: the cost is the
-  exchange alone);
+- all hashes equal: the call goes on, with every rank's count (the hash of a structure seen
+  before is cached: the cost is the exchange alone);
 - some rank failed: every rank raises, the failing one its own error, the others the same type
   naming that rank and its message; no rank has issued a collective, so a caught error leaves
   the ranks in step;
@@ -79,14 +80,17 @@ def agree(
     options: tuple = (),
     error: Exception | None = None,
     digest: int | None = None,
-) -> None:
-    """Check that every rank passes the same structure to ``fn`` and that none failed.
+    count: float | None = None,
+) -> list[float | None]:
+    """Check that every rank passes the same structure to ``fn`` and that none failed; return
+    every rank's ``count``.
 
     Every rank calls it once per call of ``fn``, before ``fn``'s first collective; a rank whose
     local checks failed takes part with its ``error`` (see :func:`failing`). ``leaves``:
     ``(path, spec, dtype, differentiated)`` per leaf; ``options``: hashable ``(name, value)``
     pairs that must agree too (dtypes of the communication, a plan); ``digest``: their
-    :func:`digest`, if the caller keeps it.
+    :func:`digest`, if the caller keeps it; ``count``: this rank's count of samples, or
+    ``None`` (see [Note: ranks that average over different counts] in ``_counts``).
 
     Raises:
         ValueError: on every rank, naming the first leaf (or option) that differs and how.
@@ -96,32 +100,34 @@ def agree(
     if not dist.is_initialized() or dist.get_world_size() == 1:
         if error is not None:
             raise error
-        return
+        return [count]
     try:
-        _agree(fn, leaves, options, error, digest)
+        return _agree(fn, leaves, options, error, digest, count)
     except Exception as e:
         e._funcshard_agreed = True  # type: ignore[attr-defined]  # see failing
         raise
 
 
-def _agree(fn, leaves, options, error, digest) -> None:
+def _agree(fn, leaves, options, error, digest, count) -> list[float | None]:
     with untraced():  # under torch.compile: checked at trace time, never part of the graph
         if error is not None:
             status = _ERROR + pickle.dumps((type(error).__name__, str(error)))
         else:
             status = str(cached_digest(fn, leaves, options) if digest is None else digest)
-            status = status.encode()
+            status = f"{status}|{'' if count is None else repr(count)}".encode()
         everyone = _exchange("status", status)
     failed = [(r, s) for r, s in enumerate(everyone) if s[:1] in (_ERROR, _GONE, _COLLECTIVE)]
     if failed:
         if error is not None:
             raise error
         raise _failure(fn, *failed[0])
-    if any(s != everyone[0] for s in everyone):
+    digests, counts = zip(*(s.split(b"|", 1) for s in everyone), strict=True)
+    if any(d != digests[0] for d in digests):
         with untraced():
             entries = _describe(leaves, options)
             described = _exchange("entries", pickle.dumps(entries))
         raise ValueError(_message(fn, [pickle.loads(b) for b in described]))
+    return [float(c) if c else None for c in counts]
 
 
 @contextlib.contextmanager

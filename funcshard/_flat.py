@@ -30,6 +30,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 from . import _collectives as C
+from . import _counts
 from ._compile import compiling
 from ._mode import Mode
 from ._spec import ShardSpec
@@ -87,20 +88,29 @@ class Layout:
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """Static options of a gather: dtypes, gradient reduction and the profiler label."""
+    """Options of a gather: dtypes, gradient reduction and the profiler label; with
+    ``grad_reduce="weighted"``, the call's ``counts`` (every rank's, from the exchange: see
+    [Note: ranks that average over different counts] in ``_counts``)."""
 
     label: str
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
-    mean: bool = True
+    grad_reduce: str = "mean"
+    counts: tuple[float | None, ...] | None = None
 
     def key(self) -> tuple:
         """What ranks must agree on (see ``_consensus``)."""
         return (
             ("param_dtype", self.param_dtype),
             ("reduce_dtype", self.reduce_dtype),
-            ("grad_reduce", "mean" if self.mean else "sum"),
+            ("grad_reduce", self.grad_reduce),
         )
+
+    def counted(self, counts: Sequence[float | None]) -> Options:
+        """These options for one call with the ranks' ``counts`` (only ``"weighted"`` uses them)."""
+        if self.grad_reduce != "weighted" or all(c is None for c in counts):
+            return self
+        return dataclasses.replace(self, counts=tuple(counts))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +163,7 @@ class _Started:
 
     bucket: Bucket
     state: _Level | list[torch.Tensor]  # a pending gather, or (nothing to gather) the results
+    comms: tuple[C.Comm, ...]  # the bucket's, or this call's weighted ones
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,12 +174,25 @@ class Inflight:
     count: int
 
 
-def _comm(layout: Layout, mesh_dim: int, opts: Options, dtype, async_op: bool) -> C.Comm:
-    """``dtype``: the dtype the all-gather sends when no ``param_dtype`` is set. The mean's
-    extra divisor ``layout.over`` goes with one mesh dim: the one gathered first (reduced last
-    in backward), or the first replicated one if none is sharded."""
+def _comm(
+    layout: Layout, mesh_dim: int, opts: Options, dtype, async_op: bool, first: bool = False
+) -> C.Comm:
+    """``dtype``: the dtype the all-gather sends when no ``param_dtype`` is set. ``first``: the
+    reduction that runs first on the gradient. The mean's extra divisor ``layout.over`` goes
+    with one mesh dim: the one gathered first (reduced last in backward), or the first
+    replicated one if none is sharded.
+
+    [Note: the first reduction carries the weight]
+    ``"mean"`` divides every reduction by its own group's size (``1/W`` in all). A
+    ``"weighted"`` call's weight ``n_r / N`` is this rank's alone, so it must scale this rank's
+    own contribution once, before anything is summed: it goes to the reduction that runs
+    first, and the others sum. In a gather's backward that is the reduction of the last mesh
+    dim gathered -- the first sharded mesh dim, or without one the last replicated dim (the
+    last ``Broadcast``) --; in :func:`scatter` the first sharded, else the first replicated.
+    """
     mesh = layout.spec.mesh
     gather = opts.param_dtype or dtype
+    weighted = first and opts.counts is not None
     over = layout.over if layout.over > 1 and mesh_dim == _carrier(layout) else 1
     return C.Comm(
         group=mesh.get_group(mesh_dim),
@@ -176,7 +200,8 @@ def _comm(layout: Layout, mesh_dim: int, opts: Options, dtype, async_op: bool) -
         label=opts.label,
         gather_dtype=gather,
         reduce_dtype=opts.reduce_dtype or gather,
-        mean=opts.mean,
+        mean=opts.grad_reduce == "mean",
+        weight=_counts.weight(opts.counts, mesh) if weighted else None,  # type: ignore[arg-type]
         async_op=async_op,
         over=over,
     )
@@ -337,6 +362,8 @@ def lower(
 ) -> Lowered:
     """The gather of leaves of ``dtypes`` (their local shards') and ``layouts``, lowered once
     for ``mode``: buckets, collectives and dtypes depend on the structure alone."""
+    if opts.grad_reduce == "weighted":
+        _counts.refuse_experts([lay.path for lay in layouts if lay.over > 1])
     flat = tuple(_flat_dtype(opts, d) for d in dtypes)
     buckets = []
     for idx in _buckets(flat, layouts):
@@ -357,6 +384,15 @@ def lower(
     return Lowered(tuple(buckets), len(dtypes), opts, mode, flat, all(local), any(local))
 
 
+def _weighted(b: Bucket, counts) -> tuple[tuple[C.Comm, ...], tuple[C.Comm, ...]]:
+    """``b``'s collectives for one ``"weighted"`` call: the first reduction of the gradient
+    carries this rank's weight (see [Note: the first reduction carries the weight])."""
+    weight = _counts.weight(counts, b.layouts[0].spec.mesh)
+    if b.comms:
+        return (*b.comms[:-1], dataclasses.replace(b.comms[-1], weight=weight)), b.replicas
+    return b.comms, (*b.replicas[:-1], dataclasses.replace(b.replicas[-1], weight=weight))
+
+
 def arm(tensors: Sequence[torch.Tensor], lowered: Lowered) -> list[torch.Tensor]:
     """Cast shards to their copy-in dtype and, under plain autograd, put a wait node on them
     (``Notify`` with ``waiting``): where the backward reduce-scatter of these shards is waited.
@@ -374,32 +410,38 @@ def arm(tensors: Sequence[torch.Tensor], lowered: Lowered) -> list[torch.Tensor]
 
 
 def issue(
-    tensors: Sequence[torch.Tensor], lowered: Lowered, armed: Sequence[torch.Tensor] | None = None
+    tensors: Sequence[torch.Tensor],
+    lowered: Lowered,
+    armed: Sequence[torch.Tensor] | None = None,
+    counts: Sequence[float | None] | None = None,
 ) -> Inflight:
     """Start gathering ``tensors`` (logical local shards) to their full logical shapes, as
     ``lowered`` says.
 
     ``armed``: the result of :func:`arm` for these tensors, if already made. Under plain
     autograd each bucket's first all-gather is left pending; :func:`finish` waits.
+    ``counts``: every rank's, for a ``"weighted"`` call (see [Note: the first reduction
+    carries the weight]).
     """
     tensors = list(armed) if armed is not None else arm(tensors, lowered)
     early = lowered.mode is Mode.TRACED
     started = []
     for b in lowered.buckets:
         xs = [tensors[i] for i in b.index]
+        comms, replicas = (b.comms, b.replicas) if counts is None else _weighted(b, counts)
         state: _Level | list[torch.Tensor]
         if b.local:  # see [Note: one rank communicates nothing] in _collectives
             comm = b.comms[0] if b.comms else b.replicas[0]
             state = [C.one_rank(x, comm) for x in xs]
         elif b.comms:
-            state = _start_level(xs, b.layouts, b.sharded[-1], b.comms[0], b.replicas, early)
+            state = _start_level(xs, b.layouts, b.sharded[-1], comms[0], replicas, early)
         else:
             flat = torch.cat([x.reshape(-1) for x in xs])
-            for r in b.replicas:
+            for r in replicas:
                 flat = C.Broadcast.apply(flat, r)
             none = [None] * len(xs)
             state = _split(flat, [tuple(x.shape) for x in xs], none, none)
-        started.append(_Started(b, state))
+        started.append(_Started(b, state, comms))
     return Inflight(started, len(tensors))
 
 
@@ -428,7 +470,7 @@ def finish(inflight: Inflight, into: Sequence[torch.Tensor] | None = None) -> li
         if isinstance(fulls, _Level):
             more = b.sharded[:-1]  # further sharded mesh dims: synchronous
             fulls = _finish_level(fulls, None if more else targets)
-            for m, comm in zip(reversed(more), b.comms[1:], strict=True):
+            for m, comm in zip(reversed(more), started.comms[1:], strict=True):
                 level = _start_level(fulls, b.layouts, m, comm)
                 fulls = _finish_level(level, targets if m == more[0] else None)
         elif targets is not None:
@@ -440,8 +482,9 @@ def finish(inflight: Inflight, into: Sequence[torch.Tensor] | None = None) -> li
 
 def gather(tensors: Sequence[torch.Tensor], layouts: Sequence[Layout], opts: Options):
     """All-gather ``tensors`` to full tensors: :func:`issue` then :func:`finish`."""
-    lowered = lower([t.dtype for t in tensors], layouts, opts, Mode.now())
-    return finish(issue(tensors, lowered))
+    static = dataclasses.replace(opts, counts=None)
+    lowered = lower([t.dtype for t in tensors], layouts, static, Mode.now())
+    return finish(issue(tensors, lowered, counts=opts.counts))
 
 
 def scatter(
@@ -449,27 +492,34 @@ def scatter(
     layouts: Sequence[Layout],
     out_dtypes: Sequence[torch.dtype],
     opts: Options,
+    async_op: bool = False,
 ) -> list[torch.Tensor]:
     """Reduce-scatter full (logical) tensors to the local shards described by ``layouts``.
 
     The adjoint of :func:`gather`: sharded mesh dims from the first to the last, then an
-    all-reduce of the (smallest) flat result over replicated mesh dims. Synchronous.
+    all-reduce of the (smallest) flat result over replicated mesh dims. Synchronous, unless
+    ``async_op``: then a bucket whose last step is a reduce-scatter already in the results'
+    dtypes returns its results pending (see [Note: pending tensors] in ``_collectives``: the
+    caller waits each with ``wait``). Outside autograd the concatenated input is donated.
     """
     out: list[torch.Tensor | None] = [None] * len(fulls)
     for idx in _buckets([t.dtype for t in fulls], layouts):
         xs, lays = [fulls[i] for i in idx], [layouts[i] for i in idx]
         sharded, replicated = _mesh_dims(lays[0])
         red = _comm(lays[0], 0, opts, xs[0].dtype, False).reduce_dtype
+        pending = async_op and not replicated and all(out_dtypes[i] == red for i in idx)
         for j, m in enumerate(sharded):
-            comm = _comm(lays[0], m, opts, xs[0].dtype, False)
+            last = j == len(sharded) - 1
+            comm = _comm(lays[0], m, opts, xs[0].dtype, pending and last, j == 0)
             dims = [lay.dim(m) for lay in lays]
             chunks = [-(-x.shape[d] // comm.world) for x, d in zip(xs, dims, strict=True)]
             rows = [
                 _to_rank_major(_pad(x, d, c * comm.world), d, comm.world)
                 for x, d, c in zip(xs, dims, chunks, strict=True)
             ]
-            flat = C.ReduceScatter.apply(torch.cat(rows, dim=1).reshape(-1), comm, red)
-            if j == len(sharded) - 1:
+            flat = torch.cat(rows, dim=1).reshape(-1)
+            flat = C.ReduceScatter.apply(flat, comm, red, not torch.is_grad_enabled())
+            if last:
                 flat = _all_reduce(flat, lays[0], replicated, opts)
             shapes = [
                 (*x.shape[:d], c, *x.shape[d + 1 :])
@@ -479,14 +529,17 @@ def scatter(
             xs = _split(flat, shapes, dims, sizes)
         if not sharded:
             flat = torch.cat([x.reshape(-1) for x in xs]).to(red)
-            flat = _all_reduce(flat, lays[0], replicated, opts)
+            flat = _all_reduce(flat, lays[0], replicated, opts, first=True)
             xs = _split(flat, [x.shape for x in xs], [None] * len(xs), [None] * len(xs))
         for i, x in zip(idx, xs, strict=True):
             out[i] = x.to(out_dtypes[i])
     return out  # type: ignore[return-value]
 
 
-def _all_reduce(flat, layout: Layout, mesh_dims, opts: Options) -> torch.Tensor:
-    for m in mesh_dims:
-        flat = C.AllReduce.apply(flat, _comm(layout, m, opts, flat.dtype, False))
+def _all_reduce(flat, layout: Layout, mesh_dims, opts: Options, first=False) -> torch.Tensor:
+    """All-reduce over ``mesh_dims`` in order; ``first``: the first of them is the first
+    reduction of the gradient (see :func:`_comm`)."""
+    for i, m in enumerate(mesh_dims):
+        comm = _comm(layout, m, opts, flat.dtype, False, first and i == 0)
+        flat = C.AllReduce.apply(flat, comm)
     return flat

@@ -76,9 +76,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from . import _compile, _flat, _parallel, _program, _recompute, _sink
+from . import _compile, _counts, _flat, _grad_layout, _parallel, _program, _recompute, _sink
 from ._collectives import Notify
-from ._consensus import agree, cached_digest, failing, leaf
+from ._consensus import cached_digest, failing, leaf
 from ._deferred import Deferred
 from ._extract import Walk, aliases, call, check_not_wrapped, slots
 from ._mode import Mode
@@ -86,7 +86,6 @@ from ._plan import Plan, Step
 from ._profiling import span
 from ._spec import LocalShard, as_locals, check_materialized
 from ._torch_checkpoint import bind, check_not_reentrant, current_frame, reparametrized
-from .transforms._unshard import reduce_mean
 
 
 def schedule(
@@ -97,7 +96,8 @@ def schedule(
     reduce_dtype: torch.dtype | None = None,
     grad_reduce: str = "mean",
 ) -> Callable[..., Any]:
-    """``apply(sharded, *args, buffers=None, **kwargs)`` running ``module`` as ``plan`` says.
+    """``apply(sharded, *args, buffers=None, count=None, **kwargs)`` running ``module`` as
+    ``plan`` says.
 
     ``apply`` equals ``functional_call(module, (unshard(sharded), buffers), args, kwargs)`` in
     value and gradient, with FSDP2's memory behaviour: one group unsharded at a time plus
@@ -109,7 +109,9 @@ def schedule(
             on the meta device).
         plan: from :func:`~funcshard.plan`.
         param_dtype, reduce_dtype, grad_reduce: as in :func:`~funcshard.unshard`; a group's own
-            dtypes in the plan (:class:`~funcshard.Group`) take precedence.
+            dtypes in the plan (:class:`~funcshard.Group`) take precedence. ``apply``'s
+            ``count`` is :func:`~funcshard.unshard`'s (``"mean"`` also infers 0 from a
+            leading dim of 0 in ``args`` / ``kwargs``).
 
     ``sharded`` is the flat ``{fqn: DTensor}`` dict from :func:`~funcshard.shard` (LocalShards
     inside ``torch.func``); entries for parameters outside the plan's groups (ignored ones) must
@@ -117,21 +119,26 @@ def schedule(
 
     Raises:
         ValueError: a planned parameter is missing from ``sharded``, or a sharded one is in no
-            group; a recompute group is not a module holding only its own group's parameters.
+            group; a recompute group is not a module holding only its own group's parameters;
+            bad ``grad_reduce`` or ``count``, or an empty batch with ``"mean"`` (see
+            :func:`~funcshard.unshard`).
         TypeError: ``sharded`` is not a mapping, or a planned entry is not a shard.
     """
-    mean = reduce_mean(grad_reduce)
+    reduction = _counts.mode(grad_reduce)
     group_of = plan.group_of()
     tied = aliases(module)
     unplanned = [n for n, _ in module.named_parameters() if n not in group_of and n not in tied]
     recomputed = _recompute.modules(module, plan)  # see [Note: recompute as part of the plan]
 
     @_compile.traced  # see [Note: funcshard under torch.compile]
-    def apply(sharded: Mapping[str, Any], *args: Any, buffers=None, **kwargs: Any) -> Any:
+    def apply(
+        sharded: Mapping[str, Any], *args: Any, buffers=None, count=None, **kwargs: Any
+    ) -> Any:
         with failing("schedule"):  # see [Note: one status per call] in _consensus
             params = _check_tree(sharded, group_of, unplanned)
-            options = _flat.Options("", param_dtype, reduce_dtype, mean)
-            run = _Run(plan, sharded, options, Mode.now())
+            count = _counts.own("schedule", reduction, count, (args, kwargs))
+            options = _flat.Options("", param_dtype, reduce_dtype, reduction)
+            run = _Run(plan, sharded, options, Mode.now(), count)
             deferred = {fqn: Deferred(fqn, resolver=run, **run.metadata(fqn)) for fqn in group_of}
             walk = Walk.of(module)  # see [Note: one walk per call] in _extract
             check_not_wrapped(module, "functional_call", walk)
@@ -221,8 +228,9 @@ _STATIC: collections.OrderedDict[tuple, _Static] = collections.OrderedDict()
 _STATIC_SIZE = 64  # structures remembered per process (least recently used dropped)
 
 
-def _static(plan: Plan, names, locals_, specs, opts: _flat.Options, mode: Mode) -> _Static:
-    """The layouts and lowered gathers of a call, checked (materialised shards, ranks agree).
+def _static(plan: Plan, names, locals_, specs, opts: _flat.Options, mode: Mode, count=None):
+    """The layouts and lowered gathers of a call, checked (materialised shards, ranks agree),
+    and every rank's count (see [Note: ranks that average over different counts]).
 
     [Note: per-structure state of a call]
     Per call, ``schedule`` needs each parameter's ``Layout`` (its spec's shapes per mesh dim,
@@ -249,8 +257,8 @@ def _static(plan: Plan, names, locals_, specs, opts: _flat.Options, mode: Mode) 
         found = _STATIC.get(key)
         if found is not None:
             _STATIC.move_to_end(key)
-            agree("schedule", *found.agreement)
-            return found
+            counts = _counts.agree("schedule", opts.grad_reduce, count, locals_, *found.agreement)
+            return found, counts
     layouts = tuple(
         _flat.Layout.of(p, spec, t) for p, spec, t in zip(names, specs, locals_, strict=True)
     )
@@ -258,7 +266,7 @@ def _static(plan: Plan, names, locals_, specs, opts: _flat.Options, mode: Mode) 
     entries = [leaf(p, spec, t) for p, spec, t in zip(names, specs, locals_, strict=True)]
     agreement = (entries, (*opts.key(), ("plan", plan)))
     agreement = (*agreement, None, cached_digest("schedule", *agreement))
-    agree("schedule", *agreement)
+    counts = _counts.agree("schedule", opts.grad_reduce, count, locals_, *agreement)
     names_grad = {p: t.requires_grad for p, t in zip(names, locals_, strict=True)}
     groups, at = {}, 0
     for g in plan.groups:
@@ -267,7 +275,7 @@ def _static(plan: Plan, names, locals_, specs, opts: _flat.Options, mode: Mode) 
             g.name,
             g.param_dtype or opts.param_dtype,
             g.reduce_dtype or opts.reduce_dtype,
-            opts.mean,
+            opts.grad_reduce,
         )
         dtypes = [t.dtype for t in locals_[at : at + n]]
         lowered = _flat.lower(dtypes, layouts[at : at + n], options, mode)
@@ -279,7 +287,7 @@ def _static(plan: Plan, names, locals_, specs, opts: _flat.Options, mode: Mode) 
         while _STATIC and len(_STATIC) >= _STATIC_SIZE:
             _STATIC.popitem(last=False)
         _STATIC[key] = static
-    return static
+    return static, counts
 
 
 def _storage(t: torch.Tensor) -> int | None:
@@ -328,10 +336,12 @@ _MOVES = {
 class _Group:
     """One group's state in one call (see [Note: a group's states])."""
 
-    def __init__(self, name, leaves, locals_, static: _GroupStatic, mode: Mode) -> None:
+    def __init__(self, name, leaves, locals_, static: _GroupStatic, mode: Mode, counts) -> None:
         self.name, self.leaves, self.locals = name, leaves, locals_
         self.layouts, self.specs = static.layouts, static.specs  # specs: FSDP x TP, see wrap
         self.lowered, self.mode = static.lowered, mode
+        self.opts = static.lowered.opts.counted(counts)  # this call's: see _counts
+        self.counts = self.opts.counts
         self.state = State.SHARDED
         self.inflight: _flat.Inflight | None = None
         self.armed: list[torch.Tensor] | None = None  # see _flat.arm
@@ -365,14 +375,14 @@ class _Group:
             return
         if self.raw is None:  # first gather: recorded by autograd
             self.arm()
-            self.inflight = _flat.issue(self.locals, self.lowered, self.armed)
+            self.inflight = _flat.issue(self.locals, self.lowered, self.armed, self.counts)
             self.armed = None
         else:  # a re-gather only refills storage: not part of the graph
             with torch.no_grad():
                 shards = self.locals
                 if self.mode is Mode.TRACED:  # see [Note: re-gathers stay in backward]
                     shards = _compile.after_last_wait(shards)
-                self.inflight = _flat.issue(shards, self.lowered)
+                self.inflight = _flat.issue(shards, self.lowered, counts=self.counts)
         self._move(State.IN_FLIGHT)
 
     def wait(self, notify: Callable | None) -> None:
@@ -387,7 +397,8 @@ class _Group:
                 self.storages = self._own_storages() if self.mode is Mode.EAGER else []
                 # the post-backward callback frees: nothing to free, no node
                 notify = notify if self.storages else None
-                self.fulls = list(Notify.apply(notify, *self.raw)) if notify else self.raw
+                fulls = _grad_layout.capture(self.leaves, self.raw, self.opts)  # ZeRO-2
+                self.fulls = list(Notify.apply(notify, *fulls)) if notify else fulls
                 self.fulls = _parallel.wrap(self.fulls, self.specs)
             elif self.mode is Mode.TRACED:  # new tensors: see [Note: a plan under torch.compile]
                 with torch.no_grad():
@@ -443,7 +454,7 @@ class _Run:
     """The state of one ``apply`` call and of its backward."""
 
     def __init__(
-        self, plan: Plan, sharded: Mapping[str, Any], opts: _flat.Options, mode: Mode
+        self, plan: Plan, sharded: Mapping[str, Any], opts: _flat.Options, mode: Mode, count=None
     ) -> None:
         self.plan = plan
         self.sink = _sink.current()
@@ -455,12 +466,13 @@ class _Run:
         self.index: dict[str, tuple[_Group, int]] = {}
         names = [p for g in plan.groups for p in g.params]
         locals_, specs = as_locals(names, [sharded[p] for p in names], "schedule")
-        static = _static(plan, names, locals_, specs, opts, mode)
+        static, counts = _static(plan, names, locals_, specs, opts, mode, count)
         at = 0
         for g in plan.groups:
             n = len(g.params)
             leaves = [sharded[p] for p in g.params]
-            state = _Group(g.name, leaves, locals_[at : at + n], static.groups[g.name], mode)
+            static_g = static.groups[g.name]
+            state = _Group(g.name, leaves, locals_[at : at + n], static_g, mode, counts)
             at += n
             self.groups[g.name] = state
             for i, p in enumerate(g.params):

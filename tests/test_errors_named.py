@@ -118,27 +118,33 @@ def empty_batch_on_one_rank():
     def mean_loss(p, x):  # the usual per-rank mean, grad_reduce="mean"
         return fs.functional_call(model, fs.unshard(p), (x,)).pow(2).mean()
 
-    def weighted_loss(p, x):  # the documented fix: sum / global count, grad_reduce="sum"
+    def summed_loss(p, x):  # a documented fix: sum / global count, grad_reduce="sum"
         count = torch.tensor(float(len(x)))
         dist.all_reduce(count)
         out = fs.functional_call(model, fs.unshard(p, grad_reduce="sum"), (x,))
         return out.pow(2).sum() / count
 
-    value, grads = fs.value_and_grad(mean_loss)(sharded, x)
-    _, fixed = fs.value_and_grad(weighted_loss)(sharded, x)
+    def weighted_loss(p, x):  # the other: each rank's mean weighted by its count
+        out = fs.functional_call(model, fs.unshard(p, grad_reduce="weighted", count=len(x)), (x,))
+        return out.pow(2).mean()
+
+    found = raises(lambda: fs.value_and_grad(mean_loss)(sharded, x), ValueError, "rank(s) [1]")
+    _, summed = fs.value_and_grad(summed_loss)(sharded, x)
+    value, weighted = fs.value_and_grad(weighted_loss)(sharded, x)
     _, ref = fs.testing.reference_value_and_grad(
         lambda p, x: fs.functional_call(model, p, (x,)).pow(2).mean(), params, x
     )
-    scaled = max(float((grads[k].full_tensor() * 2 - ref[k]).abs().max()) for k in ref)
-    right = max(float((fixed[k].full_tensor() - ref[k]).abs().max()) for k in ref)
-    return bool(value.isnan()), scaled, right
+    right = max(float((summed[k].full_tensor() - ref[k]).abs().max()) for k in ref)
+    also = max(float((weighted[k].full_tensor() - ref[k]).abs().max()) for k in ref)
+    return found, bool(value.isnan()), right, also
 
 
 def test_an_empty_batch_on_one_rank_as_documented(world2):
-    (nan0, scaled, right), (nan1, _, _) = world2.run(empty_batch_on_one_rank)
+    (found0, nan0, right, also), (found1, nan1, _, _) = world2.run(empty_batch_on_one_rank)
+    assert found0 is None and found1 is None  # "mean": an error on every rank
     assert not nan0 and nan1  # the NaN is only in the empty rank's loss value
-    assert scaled < 1e-6  # "mean": the other rank's gradient, halved
     assert right < 1e-6  # sum / global count with grad_reduce="sum": the global mean's
+    assert also < 1e-6  # grad_reduce="weighted": the same
 
 
 class KeepsAView(nn.Module):

@@ -217,6 +217,13 @@ def bad_ep_inputs():
             "partly inside the data-parallel mesh",
             "Build both from one mesh",
         ),
+        raises(  # "weighted" scales each rank's gradient once: experts sum several ranks'
+            lambda: fs.unshard(ep_layout()[2], grad_reduce="weighted", count=1.0),
+            ValueError,
+            "grad_reduce='weighted' is not supported for expert-parallel parameters",
+            "'experts.w1'",
+            "'sum' with the loss divided by the global count",
+        ),
         raises(
             lambda: plan.with_meshes({"w1": None}),
             ValueError,

@@ -51,6 +51,8 @@ AREAS = {
     "_autodiff.py": GRADIENTS,
     "transforms/_unshard.py": GRADIENTS,
     "transforms/_reduce.py": GRADIENTS,
+    "_counts.py": GRADIENTS,
+    "_grad_layout.py": GRADIENTS,
     "_extract.py": MODULES,
     "_meta.py": MODULES,
     "_deferred.py": MODULES,

@@ -21,7 +21,7 @@ from typing import Any
 
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from .._spec import ShardSpec
+from .._grad_layout import check_refines, view
 from .._tree import PyTree, flatten, unflatten
 from ._base import GradientTransformation, leaves_like, local
 
@@ -36,7 +36,10 @@ def shard_state(
     the parameters for HSDP (see [Note: state more sharded than the parameters]).
 
     The updates (or, in :func:`step`, the parameters) come back placed like the parameters, by
-    one all-gather per parameter with a replicated mesh dim. Plain tensors, and parameters with
+    one all-gather per parameter with a replicated mesh dim. Gradients may come placed like the
+    parameters or already in the state placements (ZeRO-2: ``fs.value_and_grad(...,
+    grad_placements=...)`` with the same placements; see [Note: gradients in the optimizer
+    state's layout] in ``_grad_layout``). Plain tensors, and parameters with
     no ``Replicate()`` dim or no tensor dim left to shard (a bias on an HSDP mesh), are passed
     to ``inner`` as they are.
 
@@ -100,33 +103,8 @@ def _views(tree: PyTree, placements: StatePlacements | None, params: PyTree) -> 
             out.append(x)
             continue
         target = tuple((placements or state_placements)(path, p) or p.placements)
-        out.append(x if target == tuple(x.placements) else _view(path, x, target))
+        if target != tuple(x.placements):
+            check_refines(path, tuple(x.placements), target, x.dim())
+            x = view(x, target)
+        out.append(x)
     return unflatten(spec, out)
-
-
-def _view(path: str, x: DTensor, target: tuple[Placement, ...]) -> DTensor:
-    """This rank's block of ``x`` under ``target`` placements, as a view of ``x``'s local shard."""
-    _check_refines(path, tuple(x.placements), target)
-    outer, inner = ShardSpec.of(x), ShardSpec(x.device_mesh, target, tuple(x.shape), x.stride())
-    block = local(x)
-    size = inner.level_shapes()[-1]
-    for d, (a, b) in enumerate(zip(outer.local_offset(), inner.local_offset(), strict=True)):
-        if size[d] != block.shape[d]:
-            block = block.narrow(d, b - a, size[d])
-    return DTensor.from_local(
-        block, x.device_mesh, target, run_check=False, shape=x.shape, stride=x.stride()
-    )
-
-
-def _check_refines(path: str, have: tuple, want: tuple) -> None:
-    sharded = {p.dim for p in have if isinstance(p, Shard)}
-    ok = len(have) == len(want) and all(
-        h == w or (isinstance(h, Replicate) and isinstance(w, Shard) and w.dim not in sharded)
-        for h, w in zip(have, want, strict=False)
-    )
-    if not ok:
-        raise ValueError(
-            f"shard_state: the state placements {want} of {path!r} do not refine its "
-            f"placements {have}: keep the parameter's Shard dims, and shard only its "
-            "Replicate() mesh dims, on tensor dims the parameter does not shard."
-        )

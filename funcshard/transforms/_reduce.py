@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from .. import _flat
+from .. import _counts, _flat
 from .._compile import traced
-from .._consensus import agree, failing
+from .._consensus import failing
 from .._dtensor import dtensors_of, unwrap
 from .._parallel import model_local
 from .._spec import LocalShard, ShardSpec, spec_of
 from .._tree import PyTree, flatten, flatten_like, unflatten
-from ._unshard import reduce_mean
 
 
 @traced  # see [Note: funcshard under torch.compile]
@@ -21,6 +20,7 @@ def reduce(
     *,
     op: str = "mean",
     reduce_dtype: torch.dtype | None = None,
+    count: float | torch.Tensor | None = None,
 ) -> PyTree:
     """Reduce-scatter full per-rank tensors into shards placed like ``like``.
 
@@ -33,18 +33,23 @@ def reduce(
             global (per-member, under ``vmap``) shapes, or ``None`` for no gradient (frozen
             parameters): those come back ``None``, without communication.
         like: the sharded tree to match: DTensors, or LocalShards inside ``torch.func``.
-        op: ``"mean"`` averages over all ranks (DDP/FSDP), ``"sum"`` adds.
+        op: ``"mean"`` averages over all ranks (DDP/FSDP), ``"sum"`` adds, ``"weighted"``
+            weights each rank by its ``count`` (``n_r / N``).
         reduce_dtype: dtype of the communication; results come back in ``like``'s dtypes.
+        count: this rank's number of samples (or tokens), as in :func:`~funcshard.unshard`:
+            required by ``"weighted"``; a count of 0 with ``"mean"`` is an error on every rank.
 
     Returns:
         ``like``'s structure: DTensors (or LocalShards, matching ``like``'s leaves).
 
     Raises:
-        ValueError: the trees' structures differ (naming the keys), a shape does not match.
+        ValueError: the trees' structures differ (naming the keys), a shape does not match; bad
+            ``op`` or ``count``.
         TypeError: a leaf of ``full_grads`` is not a tensor, or of ``like`` not a shard.
     """
     with failing("reduce"):  # see [Note: one status per call] in _consensus
-        mean = reduce_mean(op, "op")
+        op = _counts.mode(op, "op")
+        count = _counts.own("reduce", op, count)
         paths, like_leaves, spec = flatten(like, none_is_leaf=True)
         fulls = flatten_like(
             full_grads, like, what="full_grads", like_what="like", none_is_leaf=True
@@ -68,10 +73,11 @@ def reduce(
             layouts.append(_flat.Layout.stripped(path, shard_spec, lead))
             specs.append(shard_spec)
             dtypes.append(leaf.tensor.dtype if isinstance(leaf, LocalShard) else leaf.dtype)
-        opts = _flat.Options("reduce", reduce_dtype=reduce_dtype, mean=mean)
+        opts = _flat.Options("reduce", reduce_dtype=reduce_dtype, grad_reduce=op)
         entries = [(paths[i], s, d, True) for i, s, d in zip(given, specs, dtypes, strict=True)]
         wire = ("grad_dtypes", tuple(fulls[i].dtype for i in given))
-        agree("reduce", entries, (*opts.key(), wire))
+        counts = _counts.agree("reduce", op, count, None, entries, (*opts.key(), wire))
+        opts = opts.counted(counts)
     reduced = _flat.scatter([fulls[i] for i in given], layouts, dtypes, opts) if given else []
     outs: list = [None] * len(fulls)
     for i, out in zip(given, _like(reduced, [like_leaves[i] for i in given]), strict=True):
