@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from . import _collectives as C
 from . import _flat
+from ._mode import Mode
 from ._spec import ShardSpec
 
 GradPlacements = Callable[[str, DTensor], tuple[Placement, ...] | None]
@@ -197,5 +198,6 @@ class _Capture(torch.autograd.Function):
         ref, ids, layouts, dtypes, opts = ctx.info
         into = ref()
         if into is not None:
-            into.add(ids, _flat.scatter(list(grads), layouts, dtypes, opts, C.async_allowed()))
+            pending = Mode.now().asynchronous
+            into.add(ids, _flat.scatter(list(grads), layouts, dtypes, opts, pending))
         return (None, None, *(None for _ in grads))

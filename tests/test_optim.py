@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.debug import CommDebugMode
 
 import funcshard as fs
+from funcshard._compat import HAS_2_13
 from funcshard._profiling import peak_bytes
 from funcshard._tree import flatten
 
@@ -556,3 +557,19 @@ def frozen_for_a_while():
 def test_sharded_adamw_counts_steps_per_leaf_as_torch_optim(world2):
     for err, late in world2.run(frozen_for_a_while):
         assert err == 0 and late == 3.0
+
+
+@pytest.mark.skipif(not HAS_2_13, reason="funcshard under torch.compile: torch 2.13")
+def test_fused_adamw_compiles_whole():
+    """fused=True inside torch.compile(fullgraph=True): torch keeps its fused kernel out of
+    traces, so the traced step runs the unfused arithmetic; the update equals eager fused's."""
+    torch.manual_seed(0)
+    params = {"w": torch.randn(8, 4), "b": torch.randn(4)}
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    opt = fs.optim.adamw(1e-2, fused=True)
+    want, _ = opt.update(grads, opt.init(params), params)
+    compiled = torch.compile(opt.update, fullgraph=True, backend="aot_eager")
+    got, state = compiled(grads, opt.init(params), params)
+    for k in params:
+        torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=1e-6)
+    assert int(state.count) == 1

@@ -101,7 +101,9 @@ def adam(
             loop over tensors on CPU).
         fused: as in ``torch.optim``: ``True`` runs torch's fused kernel (one kernel for all
             the shards of a dtype and device; CUDA, and CPU for floating dtypes), what
-            ``torch.optim.AdamW(fused=True)`` computes; not with ``foreach=True``.
+            ``torch.optim.AdamW(fused=True)`` computes; not with ``foreach=True``. Under
+            ``torch.compile`` the step is traced through the unfused kernel, which inductor
+            fuses (see [Note: the fused kernel under torch.compile]).
 
     Raises:
         ValueError: a negative ``lr``/``eps``/``weight_decay`` or a beta outside ``[0, 1)``;
@@ -293,6 +295,13 @@ def _adam_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
         _writable(fields["nu"], pairs.active, inplace),
     )
     targets = _writable(pairs.params, pairs.active, inplace)
+    options = dict(hp.options)
+    if isinstance(count, torch.Tensor) and options["fused"]:
+        # [Note: the fused kernel under torch.compile]
+        # torch keeps its fused Adam out of traces (torch.compiler.disable), which a whole-step
+        # graph cannot hold; traced, the same arithmetic runs through torch's other kernel and
+        # inductor fuses it into the step's own code.
+        options["fused"] = None
     for weight_decay, idx in _groups(hp, pairs):
         torch_adam(
             [local(targets[i]) for i in idx],
@@ -306,7 +315,7 @@ def _adam_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
             capturable=isinstance(count, torch.Tensor),
             lr=lr,
             weight_decay=weight_decay,
-            **dict(hp.options),
+            **options,
         )
     if inplace:
         state.count.add_(1)
