@@ -35,23 +35,35 @@ def sync(device: torch.device) -> None:
 
 
 def alternate(
-    steps: dict[str, Callable[[int], Any]], *, rounds: int, warmup: int, device: torch.device
+    steps: dict[str, Callable[[int], Any]],
+    *,
+    rounds: int,
+    warmup: int,
+    device: torch.device,
+    host: dict[str, list[float]] | None = None,
 ) -> dict[str, list[float]]:
     """Run each step function (``fn(i)`` for round ``i``) once per round, in rotating order;
-    return the slowest rank's seconds per measured round. Collective: every rank calls it."""
+    return the slowest rank's seconds per measured round. Collective: every rank calls it.
+    ``host``: filled with this rank's thread CPU seconds per measured round, taken before the
+    device synchronisation (the host's own work, not its wait for the device)."""
     names = list(steps)
     mine: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
     for i in range(warmup + rounds):
         k = i % len(names)
         for name in names[k:] + names[:k]:
             sync(device)
             if dist.is_initialized():
                 dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             steps[name](i)
+            c1 = time.thread_time()
             sync(device)
             if i >= warmup:
                 mine[name].append(time.perf_counter() - t0)
+                cpu[name].append(c1 - c0)
+    if host is not None:
+        host.update(cpu)
     if not dist.is_initialized():
         return mine
     everyone: list[dict[str, list[float]]] = [None] * dist.get_world_size()  # type: ignore[list-item]

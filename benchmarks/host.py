@@ -50,15 +50,16 @@ def _rotary(x, cos, sin):
 
 
 class LlamaBlock(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
+    def __init__(self, d: int, heads: int, hidden: int | None = None) -> None:
         super().__init__()
         self.heads = heads
         self.attn_norm = RMSNorm(d)
         self.wq, self.wk = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
         self.wv, self.wo = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
         self.mlp_norm = RMSNorm(d)
-        self.w1, self.w3 = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, 3 * d, bias=False)
-        self.w2 = nn.Linear(3 * d, d, bias=False)
+        hidden = hidden or 3 * d  # the SwiGLU width
+        self.w1, self.w3 = nn.Linear(d, hidden, bias=False), nn.Linear(d, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, d, bias=False)
 
     def forward(self, x, cos, sin):
         b, t, d = x.shape
@@ -74,10 +75,13 @@ class LlamaBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, layers: int, d: int = 32, heads: int = 2, vocab: int = 64, seq: int = 8):
+    def __init__(
+        self, layers: int, d: int = 32, heads: int = 2, vocab: int = 64, seq: int = 8,
+        hidden: int | None = None,
+    ):  # fmt: skip
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(LlamaBlock(d, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(LlamaBlock(d, heads, hidden) for _ in range(layers))
         self.norm = RMSNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         half = d // heads // 2

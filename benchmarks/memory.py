@@ -185,14 +185,24 @@ def _events(prof, device_type: str) -> tuple[list[Event], dict[str, tuple[int, i
     stack = [(e, False) for e in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:
         e, comm = stack.pop()
-        if e.name in (_FB, _OPT):
-            marks[e.name] = (e.start_time_ns, e.end_time_ns, e.start_tid)
-        comm = comm or bool(COMM_RANGES.match(e.name) or COMM_CODE.search(e.name))
+        name = _name(e)
+        if name in (_FB, _OPT):
+            marks[name] = (e.start_time_ns, e.end_time_ns, e.start_tid)
+        comm = comm or bool(COMM_RANGES.match(name) or COMM_CODE.search(name))
         if e.typed[0] == _EventType.Allocation and e.typed[1].device.type == device_type:
             a = e.typed[1]
             out.append(Event(e.start_time_ns, a.ptr, a.alloc_size, e.start_tid, comm))
         stack.extend((c, comm) for c in e.children)
     return out, marks
+
+
+def _name(e) -> str:
+    """An event's name; "" where the profiler recorded bytes that are not UTF-8 (seen for a
+    Python frame after torch.compile had run in the process)."""
+    try:
+        return e.name
+    except UnicodeDecodeError:
+        return ""
 
 
 def variants(quick: bool) -> dict[str, tuple[Any, Options]]:

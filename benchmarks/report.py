@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import harness, recompute, scale
+from . import gpu, harness, recompute, scale
 from .timeline import LANES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -525,6 +525,7 @@ def summary_section(results: dict[str, Any]) -> str:
                 ]
             )
     rows += recompute.summary_rows(results)
+    rows += gpu.summary_rows(results)
     if not rows:
         return ""
     return _table(["", "target", "measured (funcshard / FSDP2)", "met"], rows) + "\n"
@@ -545,6 +546,7 @@ def sections(results: dict[str, Any], folder: Path, images: str) -> dict[str, st
         "timeline": timeline_section(results, folder, images),
         "compile": compile_section(results),
         "recompute": recompute.section(results),
+        "gpu": gpu.section(results),
     }
 
 

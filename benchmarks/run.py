@@ -1,7 +1,7 @@
 """The benchmark suite's driver: ``make bench`` (= ``python -m benchmarks.run``).
 
     python -m benchmarks.run [--quick]
-        [--only step,memory,comms,overhead,timeline,compile,recompute,scale]
+        [--only step,memory,comms,overhead,timeline,compile,recompute,scale,gpu]
                              [--device cpu|cuda] [--ranks 2,4] [--out DIR] [--no-report]
 
 Parts that need ranks run under ``torchrun`` (one launch per world size, all its parts in
@@ -11,7 +11,8 @@ regenerates the tables and plots of ``BENCHMARKS.md`` from them (``--quick`` wri
 ``BENCHMARKS.md`` into its results folder and leaves the repository's alone).
 
 ``--device cuda`` runs the same parts with NCCL, one rank per GPU (``--ranks`` at most the
-GPU count).
+GPU count). Part ``gpu`` (issue 17's step on one GPU, ``gpu.py``) runs only when ``--only``
+names it, in a process of its own (one rank; ``--device cpu --quick``: a tiny model on gloo).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from . import harness
 
 RANK_PARTS = ("step", "memory", "comms", "overhead", "timeline", "compile", "recompute")
 LOCAL_PARTS = ("scale", "overhead")
+OWN_PROCESS = ("gpu",)  # python -m benchmarks.<part>: its own one-rank process group
 EVERY_WORLD = ("step", "comms")  # the others run on the smallest world size only
 
 
@@ -52,9 +54,10 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     parts = args.only.split(",") if args.only else [*RANK_PARTS, "scale"]
-    unknown = sorted(set(parts) - {*RANK_PARTS, *LOCAL_PARTS})
+    known = {*RANK_PARTS, *LOCAL_PARTS, *OWN_PROCESS}
+    unknown = sorted(set(parts) - known)
     if unknown:
-        ap.error(f"unknown parts {unknown}; parts are {sorted({*RANK_PARTS, *LOCAL_PARTS})}")
+        ap.error(f"unknown parts {unknown}; parts are {sorted(known)}")
     ranks = [int(r) for r in (args.ranks or ("2" if args.quick else "2,4")).split(",")]
     out = args.out or (harness.RESULTS / "quick" if args.quick else harness.RESULTS)
     out.mkdir(parents=True, exist_ok=True)
@@ -71,6 +74,19 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[bench] {' '.join(cmd[2:])}", flush=True)
         subprocess.run(cmd, check=True, env=env)
     _local(parts, args, out)
+    for part in (p for p in OWN_PROCESS if p in parts):
+        cmd = [
+            sys.executable,
+            "-m",
+            f"benchmarks.{part}",
+            "--device",
+            args.device,
+            "--out",
+            str(out),
+        ]
+        cmd += ["--quick"] if args.quick else []
+        print(f"[bench] {' '.join(cmd[1:])}", flush=True)
+        subprocess.run(cmd, check=True, env=env)
     print(f"[bench] load average after: {os.getloadavg()}; {time.perf_counter() - start:.0f} s")
     if not args.no_report:
         from . import report

@@ -6,15 +6,19 @@ memory accounting needs. Both frameworks get the same model, the same grouping (
 ``fully_shard`` on every module of ``workload.group_types``, then the root; funcshard: a plan
 with ``fs.policy.by_type`` of the same types) and the same optimizer arithmetic (AdamW:
 ``torch.optim.AdamW`` vs the donated ``fs.optim.step`` of ``fs.optim.adamw``, both with torch's
-default kernel choice). Adding a variant is one function here and one line in ``VARIANTS``.
+default kernel choice, or the fused kernels with ``Options.fused``). ``plain`` is the same
+model unsharded (bf16 through ``torch.autocast``): the floor. Adding a variant is one function
+here and one line in ``VARIANTS``.
 
 The compiled variants (part ``compile``, issue 9) compile with ``Options.compile_backend``
 (inductor, the default) through a ``CompileCounterWithBackend`` kept in ``Trainer.counter``
 (graphs and recompilations): FSDP2 +
-``torch.compile(model)``, its optimizer step eager; funcshard's whole training step
+``torch.compile(model)``, or each group module compiled before ``fully_shard`` (torchtitan's
+order; ``fsdp2 + compile per block``), the optimizer step eager; funcshard's whole training step
 (``fs.value_and_grad`` + ``fs.optim.step``, constant learning rate) under
 ``torch.compile(fullgraph=True)``, over ``fs.schedule``'s ``apply`` or over ``fs.unshard`` of
-the whole tree (docs/compile.md, "The recommended pattern").
+the whole tree (docs/compile.md, "The recommended pattern"). ``cuda_graph(variant)`` runs a
+variant's whole step as one captured CUDA graph (``Graphed``; part ``gpu``, issue 17).
 """
 
 from __future__ import annotations
@@ -50,7 +54,10 @@ class Options:
     ``fully_shard([...])``) instead of one per module of ``group_types``. ``recompute``:
     activation checkpointing of every group module -- FSDP2: ``checkpoint_wrapper``
     (non-reentrant) around each, then ``fully_shard`` on the wrappers (torchtitan's order);
-    funcshard: ``fs.plan(..., recompute=True)``."""
+    funcshard: ``fs.plan(..., recompute=True)``. ``fused``: AdamW's fused kernel (``fused=`` of
+    ``torch.optim.AdamW`` and ``fs.optim.adamw``; ``None``: torch's default choice);
+    ``capturable``: ``torch.optim.AdamW(capturable=True)``, its step counts on the device (a
+    step inside a CUDA graph)."""
 
     param_dtype: torch.dtype | None = None
     reshard_after_forward: bool = True
@@ -62,6 +69,8 @@ class Options:
     weight_decay: float = 0.1
     compile_backend: str = "inductor"  # the compiled variants' (``--quick``: aot_eager)
     recompute: bool = False
+    fused: bool | None = None
+    capturable: bool = False
 
     @property
     def reduce_dtype(self) -> torch.dtype | None:
@@ -92,24 +101,57 @@ def _local(t: Any) -> Any:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def fsdp2(w: Workload, mesh: DeviceMesh, o: Options, *, compiled: bool = False) -> Trainer:
+def fsdp2(
+    w: Workload, mesh: DeviceMesh, o: Options, *, compiled: bool = False, per_block: bool = False
+) -> Trainer:
     """``fully_shard`` on every group module and the root; ``torch.optim.AdamW``. ``compiled``:
-    the forward runs ``torch.compile(model)`` (``o.compile_backend``), the optimizer eager."""
+    the forward runs ``torch.compile(model)`` (``o.compile_backend``), the optimizer eager;
+    ``per_block``: each group module is compiled instead, before ``fully_shard`` (torchtitan)."""
     model = w.build()
     mp = MixedPrecisionPolicy(param_dtype=o.param_dtype, reduce_dtype=o.reduce_dtype)
     kw = dict(mesh=mesh, reshard_after_forward=o.reshard_after_forward, mp_policy=mp)
+    counter = CompileCounterWithBackend(o.compile_backend) if compiled or per_block else None
     if o.module_groups is not None:
         for names in o.module_groups:
             fully_shard([model.get_submodule(n) for n in names], **kw)
     else:
-        for m in _group_modules(model, w.group_types, o.recompute):
+        groups = _group_modules(model, w.group_types, o.recompute)
+        for m in _compile_each(model, groups, counter) if per_block else groups:
             fully_shard(m, **kw)
     # the root: FSDP2's default (None) keeps it unsharded from forward to backward, as funcshard
     root = None if o.reshard_after_forward else False
     fully_shard(model, **{**kw, "reshard_after_forward": root})
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
-    counter = CompileCounterWithBackend(o.compile_backend) if compiled else None
     net = torch.compile(model, backend=counter) if compiled else model
+    return _torch_trainer(w, model, net, _adamw(model, o), counter)
+
+
+def plain(w: Workload, mesh: DeviceMesh, o: Options) -> Trainer:
+    """The model unsharded (``mesh`` unused), ``torch.optim.AdamW``: the floor. With
+    ``o.param_dtype``, the forward runs under ``torch.autocast`` to it (fp32 parameters and
+    gradients, the matmuls in ``param_dtype``; the autocast cache off, as CUDA graphs need)."""
+    model = w.build()
+    device = next(model.parameters()).device.type
+    autocast = lambda: torch.autocast(
+        device, o.param_dtype or torch.float32, enabled=o.param_dtype is not None,
+        cache_enabled=False,
+    )  # fmt: skip
+
+    def net(*batch):
+        with autocast():
+            return model(*batch)
+
+    return _torch_trainer(w, model, net, _adamw(model, o), None)
+
+
+def _adamw(model: torch.nn.Module, o: Options) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        model.parameters(), lr=o.lr, weight_decay=o.weight_decay, fused=o.fused,
+        capturable=o.capturable,
+    )  # fmt: skip
+
+
+def _torch_trainer(w: Workload, model, net, opt, counter) -> Trainer:
+    """The step of a torch.optim user: ``net(*batch)``, the loss, backward, ``opt.step()``."""
 
     def forward_backward(batch):
         loss = w.loss(net(*batch), batch)
@@ -132,6 +174,18 @@ def fsdp2(w: Workload, mesh: DeviceMesh, o: Options, *, compiled: bool = False) 
     )
 
 
+def _compile_each(model, modules, backend) -> list[torch.nn.Module]:
+    """Each of ``modules`` replaced in its parent by ``torch.compile(module)``; the wrappers."""
+    parents = {id(m): (model.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2])
+               for n, m in model.named_modules() if n}  # fmt: skip
+    out = []
+    for m in modules:
+        parent, name = parents[id(m)]
+        out.append(torch.compile(m, backend=backend))
+        parent.register_module(name, out[-1])
+    return out
+
+
 def _group_modules(model, types, recompute: bool) -> list[torch.nn.Module]:
     """FSDP2's group modules, children before parents; with ``recompute``, each wrapped in a
     non-reentrant ``checkpoint_wrapper`` first (the wrappers are returned)."""
@@ -151,6 +205,10 @@ def fsdp2_compiled(w: Workload, mesh: DeviceMesh, o: Options) -> Trainer:
     return fsdp2(w, mesh, o, compiled=True)
 
 
+def fsdp2_compiled_blocks(w: Workload, mesh: DeviceMesh, o: Options) -> Trainer:
+    return fsdp2(w, mesh, o, per_block=True)
+
+
 def funcshard(
     w: Workload, mesh: DeviceMesh, o: Options, *, compiled: bool = False, unshard: bool = False
 ) -> Trainer:
@@ -164,7 +222,7 @@ def funcshard(
     plan = None if unshard else plan_for(w, model, o)
     model.to("meta")
     del params
-    opt = fs.optim.adamw(o.lr, weight_decay=o.weight_decay)
+    opt = fs.optim.adamw(o.lr, weight_decay=o.weight_decay, fused=o.fused)
     box: dict[str, Any] = {"params": sharded, "state": opt.init(sharded), "grads": None}
     if unshard:
 
@@ -220,6 +278,72 @@ def funcshard_unshard_compiled(w: Workload, mesh: DeviceMesh, o: Options) -> Tra
     return funcshard(w, mesh, o, compiled=True, unshard=True)
 
 
+@dataclasses.dataclass
+class Graphed:
+    """``trainer``'s whole step captured as one CUDA graph and replayed (a step function).
+
+    The first ``warmup`` calls run eagerly on a side stream (as ``torch.cuda.graph`` asks:
+    lazy initialisation, the optimizer's state); the next one captures the step on a static copy
+    of its batch; every call from then on copies its batch in and replays. Raises what the
+    capture raises, and if the captured step's parameters are not the tensors it started from
+    (replays would not train: the graph writes new parameters where no replay reads them).
+    ``pool_extra``: the bytes the graph's private pool holds beyond the tensors alive after the
+    capture (the activations' and temporaries' slots, kept for every replay)."""
+
+    trainer: Trainer
+    warmup: int = 2
+    calls: int = 0
+    graph: torch.cuda.CUDAGraph | None = None
+    batch: tuple[torch.Tensor, ...] = ()
+    loss: torch.Tensor | None = None
+    pool_extra: int = 0
+
+    def __call__(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        self.calls += 1
+        if self.calls <= self.warmup:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                loss = self.trainer.step(batch)
+            torch.cuda.current_stream().wait_stream(side)
+            return loss
+        if self.graph is None:
+            self._capture(batch)
+        for static, x in zip(self.batch, batch, strict=True):
+            static.copy_(x)
+        self.graph.replay()
+        return self.loss.clone()
+
+    def _capture(self, batch: tuple[torch.Tensor, ...]) -> None:
+        torch.cuda.synchronize()
+        before = [t.data_ptr() for t in self.trainer.parameters()]
+        allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        self.batch = tuple(x.clone() for x in batch)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.loss = self.trainer.step(self.batch)
+        torch.cuda.synchronize()
+        if [t.data_ptr() for t in self.trainer.parameters()] != before:
+            raise RuntimeError(
+                "the captured step returned new parameter tensors, not its inputs updated in "
+                "place: replaying the graph would not train (no replay reads the new ones)"
+            )
+        live = torch.cuda.memory_allocated() - allocated
+        self.pool_extra = max(0, torch.cuda.memory_reserved() - reserved - live)
+        self.graph = graph
+
+
+def cuda_graph(variant: Callable[..., Trainer]) -> Callable[..., Trainer]:
+    """The variant with its whole step run by :class:`Graphed`."""
+
+    def build(w: Workload, mesh, o: Options) -> Trainer:
+        trainer = variant(w, mesh, o)
+        return dataclasses.replace(trainer, forward_backward=Graphed(trainer),
+                                   optimizer_step=lambda: None)  # fmt: skip
+
+    return build
+
+
 def plan_for(w: Workload, model: torch.nn.Module, o: Options) -> fs.Plan:
     """funcshard's plan for ``model``: groups by ``w.group_types``, merged if ``o`` says so."""
     plan = fs.plan(
@@ -243,9 +367,13 @@ def module_groups(plan: fs.Plan) -> tuple[tuple[str, ...], ...]:
 
 Variant = Callable[[Workload, DeviceMesh, Options], Trainer]
 VARIANTS: dict[str, Variant] = {
+    "plain": plain,
+    "plain + CUDA graph": cuda_graph(plain),
     "fsdp2": fsdp2,
     "funcshard": funcshard,
     "fsdp2 + compile": fsdp2_compiled,
+    "fsdp2 + compile per block": fsdp2_compiled_blocks,
     "funcshard + compile": funcshard_compiled,
     "funcshard.unshard + compile": funcshard_unshard_compiled,
+    "funcshard + CUDA graph": cuda_graph(funcshard),
 }

@@ -5,6 +5,7 @@ No timing is asserted: performance numbers live in BENCHMARKS.md."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from torch import nn
 import funcshard as fs
 from benchmarks import (
     comms,
+    gpu,
     harness,
     memory,
     overhead,
@@ -303,3 +305,57 @@ def test_recompute_part_on_two_ranks(world2):
     assert "| funcshard, recompute |" in text
     (line,) = recompute.summary_rows(results)
     assert line[0] == "recompute, transformer 2 sequences per rank"
+
+
+def test_gpu_part_runs_quick_on_cpu(tmp_path):
+    """benchmarks/gpu.py (issue 17's step on one GPU) on a tiny model, one gloo rank: every
+    variant either ran -- a finite step time, its memory at least the fp32 parameters and AdamW's
+    two moments, the loss after the timed steps within bf16 rounding of plain torch's (the same
+    weights, the same batches) -- or says why it was skipped; the report has a row for each."""
+    subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu", "--quick", "--device", "cpu",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, check=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": "0"},
+    )  # fmt: skip
+    r = json.loads((tmp_path / "gpu-cpu-tiny.json").read_text())
+    assert r["machine"]["device"] == "cpu" and r["rounds"] == 3
+    cfg = r["result"]
+    model = gpu.workload("tiny", gpu.QUICK["tiny"], torch.device("cpu")).build()
+    assert cfg["parameters"] == sum(p.numel() for p in model.parameters())
+    rows = cfg["rows"]
+    assert list(rows) == list(gpu.variants(torch.device("cpu"), "aot_eager"))
+    skipped = {label for label, row in rows.items() if "skipped" in row}
+    graphs = {"plain torch, CUDA graph", "funcshard, CUDA graph"}
+    assert skipped == graphs | (set() if HAS_2_13 else {"funcshard, compiled"})
+    for label, row in rows.items():
+        if label in skipped:
+            assert row["skipped"], label
+            continue
+        assert "error" not in row, (label, row.get("details"))
+        assert math.isfinite(row["ms"]) and row["ms"] > 0 and row["host_ms"] > 0, label
+        assert row["rounds"] == 3 and row["busy"] is None and row["mfu"] is None  # no GPU
+        assert row["peak_bytes"] >= 3 * 4 * cfg["parameters"], label
+        assert row["loss_gap"] < 1e-2, (label, row["loss"], rows["plain torch"]["loss"])
+    assert rows["FSDP2"]["loss_gap_eager"] is None  # an eager step has no eager twin
+    assert rows["FSDP2 + compile per block"]["loss_gap_eager"] < 1e-3
+    table = gpu.section({"gpu-cpu-tiny": r})
+    assert all(f"| {label} |" in table for label in rows)
+    assert "| plain torch, CUDA graph | skipped: CUDA graphs need a CUDA device" in table
+
+
+def test_gpu_part_keeps_a_failure_in_full():
+    """A variant's error reaches the results whole: the table gets its first lines (with the
+    line after a trailing "raised:"), the JSON the chained traceback."""
+    try:
+        try:
+            raise ValueError("the real cause")
+        except ValueError as cause:
+            raise RuntimeError("backend='x' raised:\nCUDA error: not permitted") from cause
+    except RuntimeError as e:
+        row = gpu._failure(e, "build and first steps")
+    assert row["error"] == "RuntimeError: backend='x' raised: CUDA error: not permitted"
+    assert "ValueError: the real cause" in row["details"] and "Traceback" in row["details"]
+    cells = gpu._cells(row)
+    assert cells[0] == f"failed (build and first steps): `{row['error']}`"
+    assert len(cells) == len(gpu.HEADER) - 1

@@ -1,0 +1,497 @@
+"""Part ``gpu`` (issue 17): the training step on one GPU, every way of running it, side by side.
+
+The Llama-style decoder of ``host.py`` (RMSNorm, SDPA with rotary embeddings, SwiGLU, untied
+head) at the four sizes of issue 17, bf16 compute with fp32 master weights and fp32 gradient
+reduction, AdamW (fused where torch has the kernel), one group per block and the root, world
+size 1 (NCCL; ``--device cpu``: gloo). Variants:
+
+- ``plain torch``: unsharded, ``torch.autocast`` to bf16 -- the floor;
+- ``plain torch, CUDA graph``: the same whole step (forward, backward, ``AdamW(capturable=True)``)
+  captured once with ``torch.cuda.graph`` and replayed on static inputs;
+- ``FSDP2`` (``MixedPrecisionPolicy(bf16, reduce fp32)``) and ``FSDP2 + compile per block``;
+- ``funcshard``: ``fs.schedule`` + ``fs.value_and_grad`` + ``fs.optim.step``
+  (``param_dtype=bf16, reduce_dtype=fp32``); ``funcshard, compiled``: that whole step under
+  ``torch.compile`` (torch >= 2.13); ``funcshard, CUDA graph``: that whole step captured.
+
+A variant that cannot run here says why (``skipped``); one that fails (building, its first
+steps, a capture, a replay) keeps its error and traceback in the result (``error``,
+``details``). Per variant: step time (median over rounds, the variants alternating step by step
+in one process: [Note: fair timing] in ``harness``) and its ratios to FSDP2 and to plain torch,
+host time (the step thread's CPU time, before the synchronisation), GPU busy fraction (kernel
+time per step from ``torch.profiler`` over a few steps, the union of the kernels' intervals, /
+the step time), MFU (6 x parameters x tokens / step time / ``--peak-tflops``), peak memory and
+the loss after the timed steps, with its gap to plain torch's (all start from the same weights
+and see the same batches). See ``_peak_bytes`` for what peak memory counts.
+
+    python -m benchmarks.gpu                     # all four, NCCL: results/gpu-cuda-<config>.json
+    python -m benchmarks.gpu --configs 36M,271M --variants "FSDP2,funcshard"
+    python -m benchmarks.gpu --quick --device cpu            # tiny, gloo, < 1 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import math
+import os
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+from funcshard._compat import HAS_2_13, needs_2_13
+
+from . import compile as compiled
+from . import harness, memory, timeline
+from .host import Llama, LlamaBlock
+from .variants import VARIANTS, Graphed, Options, Trainer
+from .workloads import Workload, _lm_loss
+
+DTYPE = torch.bfloat16
+PLAIN, FSDP2 = "plain torch", "FSDP2"
+PROLOGUE = 3  # steps before the timing: compilation, optimizer state, CUDA-graph capture
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A model size and its batch (``batch`` sequences of ``seq`` tokens per step)."""
+
+    width: int
+    layers: int
+    batch: int
+    seq: int
+    vocab: int
+    heads: int
+
+    @property
+    def hidden(self) -> int:
+        """Llama's SwiGLU width: 8/3 of the model's, rounded up to a multiple of 256."""
+        return 256 * math.ceil(8 * self.width / 3 / 256)
+
+    def describe(self) -> str:
+        return (
+            f"d={self.width}, {self.layers} blocks, batch {self.batch}x{self.seq}, "
+            f"{self.heads} heads, SwiGLU {self.hidden}, vocab {self.vocab}"
+        )
+
+
+# issue 17's table (the parameter counts name them)
+CONFIGS = {
+    "36M": Config(512, 8, 4, 512, 8192, 8),
+    "117M": Config(512, 32, 4, 512, 8192, 8),
+    "271M": Config(1024, 16, 8, 1024, 32000, 8),
+    "953M": Config(2048, 16, 4, 2048, 32000, 16),
+}
+QUICK = {"tiny": Config(64, 2, 2, 32, 256, 4)}
+
+
+def workload(name: str, c: Config, device: torch.device) -> Workload:
+    """The model built on ``device`` (the same seed for every variant), the batches of issue 17's
+    measurement (random tokens), next-token cross entropy."""
+
+    def build() -> Llama:
+        torch.manual_seed(0)
+        with device:
+            model = Llama(c.layers, c.width, c.heads, c.vocab, c.seq, hidden=c.hidden)
+        # the rotary tables in the compute dtype: bf16 queries stay bf16 (FSDP2 casts a block's
+        # inputs, autocast SDPA's; funcshard computes with the buffers as given)
+        model.cos, model.sin = model.cos.to(DTYPE), model.sin.to(DTYPE)
+        return model
+
+    def batch(step: int, rank: int) -> tuple[torch.Tensor, ...]:
+        g = torch.Generator().manual_seed(step)
+        return (torch.randint(0, c.vocab, (c.batch, c.seq), generator=g).to(device),)
+
+    return Workload(name, c.describe(), build, (LlamaBlock,), batch, _lm_loss)
+
+
+def parameters(c: Config) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in Llama(c.layers, c.width, c.heads, c.vocab, c.seq,
+                                            hidden=c.hidden).parameters())  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ variants
+
+
+def variants(device: torch.device, backend: str) -> dict[str, tuple[Callable, Options] | str]:
+    """``{label: (variant, options)}``, or ``{label: why it is skipped here}``. AdamW runs
+    torch's fused kernel everywhere but in the compiled whole step: torch keeps the fused
+    kernel out of graphs (``torch.compiler.disable``), and inductor fuses the default one."""
+    o = Options(param_dtype=DTYPE, fused=device.type in ("cuda", "cpu"), compile_backend=backend)
+    no_graphs = None if device.type == "cuda" else "CUDA graphs need a CUDA device (--device cuda)"
+    no_compile = None if HAS_2_13 else needs_2_13("funcshard's whole step under torch.compile")
+    return {
+        PLAIN: (VARIANTS["plain"], o),
+        "plain torch, CUDA graph": no_graphs
+        or (VARIANTS["plain + CUDA graph"], dataclasses.replace(o, capturable=True)),
+        FSDP2: (VARIANTS["fsdp2"], o),
+        "FSDP2 + compile per block": (VARIANTS["fsdp2 + compile per block"], o),
+        "funcshard": (VARIANTS["funcshard"], o),
+        "funcshard, compiled": no_compile
+        or (VARIANTS["funcshard + compile"], dataclasses.replace(o, fused=None)),
+        "funcshard, CUDA graph": no_graphs or (VARIANTS["funcshard + CUDA graph"], o),
+    }
+
+
+def _failure(e: BaseException, phase: str) -> dict[str, Any]:
+    """The error of a variant, in full: its first line for the table, the message and the
+    traceback (chained causes included) for whoever runs it next."""
+    lines = [line for line in str(e).splitlines() if line.strip()] or [""]
+    short = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]  # "... raised:" + why
+    details = "".join(traceback.format_exception(e))
+    return {
+        "error": f"{type(e).__name__}: {short[:300]}",
+        "phase": phase,
+        "details": details[-12000:],
+    }
+
+
+def _prologue(w: Workload, mesh, variant, options, batches, device) -> tuple[Trainer, dict]:
+    """Build a variant and run its first ``PROLOGUE`` steps; the first step's seconds
+    (compilation, for the compiled ones) and the device memory it keeps between steps."""
+    harness.sync(device)
+    allocated = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    trainer = variant(w, mesh, options)
+    row: dict[str, Any] = {}
+    for i, batch in enumerate(batches):
+        t0 = time.perf_counter()
+        with compiled._cold_caches() if i == 0 else contextlib.nullcontext():
+            trainer.step(batch)
+        harness.sync(device)
+        if i == 0:
+            row["first_call_s"] = time.perf_counter() - t0
+    if trainer.counter is not None:
+        row["graphs"] = trainer.counter.frame_count
+    if device.type == "cuda":
+        row["resident_bytes"] = torch.cuda.memory_allocated() - allocated
+    return trainer, row
+
+
+# ------------------------------------------------------------------------------ measuring
+
+
+def _kernel_ms(trainer: Trainer, batches, device: torch.device) -> float | None:
+    """GPU time per step: the union of the kernels' (and copies') intervals over ``batches``."""
+    if device.type != "cuda":
+        return None
+    harness.sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for batch in batches:
+            trainer.step(batch)
+        harness.sync(device)
+    spans = [
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    if not spans:
+        return None  # the profiler saw no kernel (a replayed graph's, on some CUPTI versions)
+    return sum(b - a for a, b in timeline.merge(spans)) / 1e3 / len(batches)
+
+
+def _peak_bytes(trainer: Trainer, row: dict, batch, device: torch.device) -> int:
+    """Peak memory of one step of this variant alone. CUDA: what it keeps between steps
+    (allocated across its build and first steps: parameters, optimizer state, caches, a
+    graph's live outputs) + what one step allocates above its start
+    (``torch.cuda.max_memory_allocated``) + a CUDA graph's pool beyond its live tensors. CPU: the
+    all-threads peak of ``memory.profile_step`` (the allocator's events)."""
+    if device.type != "cuda":
+        return memory.profile_step(trainer, batch, device)["peak_all"]
+    harness.sync(device)
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    trainer.step(batch)
+    harness.sync(device)
+    return row["resident_bytes"] + torch.cuda.max_memory_allocated() - start + row.get("pool", 0)
+
+
+def measure(
+    name: str, c: Config, mesh, device: torch.device, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Every variant on one configuration: a row each (measured, skipped or failed)."""
+    w = workload(name, c, device)
+    total = PROLOGUE + args.warmup + args.rounds + 4
+    batches = [w.batch(i, 0) for i in range(total)]
+    rows: dict[str, dict[str, Any]] = {}
+    trainers: dict[str, Trainer] = {}
+    for label, spec in variants(device, args.backend).items():
+        if args.variants and label not in args.variants:
+            continue
+        if isinstance(spec, str):
+            rows[label] = {"skipped": spec}
+            continue
+        try:
+            trainers[label], rows[label] = _prologue(w, mesh, *spec, batches[:PROLOGUE], device)
+        except Exception as e:  # recorded, never fatal to the others
+            rows[label] = _failure(e, "build and first steps")
+            gc.collect()
+        print(f"[gpu] {name} {label}: {_short(rows[label])}", flush=True)
+    losses = _time(trainers, rows, batches[PROLOGUE:], device, args)
+    targets = _ratios(rows, losses)
+    tokens, params = c.batch * c.seq, parameters(c)
+    flop = 6 * params * tokens  # per step: forward + backward of every parameter, no attention
+    after = batches[PROLOGUE + args.warmup + args.rounds :]
+    for label, trainer in trainers.items():
+        if "error" not in rows[label]:
+            _profile(trainer, rows[label], after, device, flop, args.peak_tflops)
+    trainers.clear()
+    gc.collect()
+    torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {
+        "name": name,
+        "config": dataclasses.asdict(c) | {"hidden": c.hidden},
+        "description": c.describe(),
+        "parameters": params,
+        "tokens": tokens,
+        "rows": rows,
+        "targets": targets,
+    }
+
+
+def _profile(trainer: Trainer, row: dict, batches, device, flop: int, peak: float | None) -> None:
+    """GPU busy fraction, MFU and peak memory of one variant into its ``row``."""
+    try:
+        kernel = _kernel_ms(trainer, batches[:3], device)
+        graphed = trainer.forward_backward
+        row["pool"] = graphed.pool_extra if isinstance(graphed, Graphed) else 0
+        row["peak_bytes"] = _peak_bytes(trainer, row, batches[3], device)
+    except Exception as e:
+        row.update(_failure(e, "profiling"))
+        return
+    row["kernel_ms"] = kernel
+    row["busy"] = None if kernel is None else kernel / row["ms"]
+    row["mfu"] = None if peak is None else flop / (row["ms"] / 1e3) / (peak * 1e12)
+
+
+def _time(trainers, rows, batches, device, args) -> dict[str, list[torch.Tensor]]:
+    """Alternate the variants step by step; wall and host milliseconds into ``rows``. A variant
+    that raises is recorded and left out from then on."""
+    losses: dict[str, list[torch.Tensor]] = {label: [] for label in trainers}
+    host: dict[str, list[float]] = {}
+
+    def stepper(label: str):
+        def step(i: int) -> None:
+            if "error" in rows[label]:
+                return
+            try:
+                losses[label].append(trainers[label].step(batches[i]))
+            except Exception as e:
+                rows[label].update(_failure(e, f"timed step {i}"))
+
+        return step
+
+    wall = harness.alternate(
+        {label: stepper(label) for label in trainers},
+        rounds=args.rounds, warmup=args.warmup, device=device, host=host,
+    )  # fmt: skip
+    for label in trainers:
+        if "error" not in rows[label]:
+            rows[label]["wall"], rows[label]["host"] = wall[label], host[label]
+    return losses
+
+
+# issue 17's targets: (variant, baseline, at most)
+TARGETS = (("funcshard", FSDP2, 0.9), ("funcshard, CUDA graph", "plain torch, CUDA graph", 1.05))
+# the eager step each compiled or captured variant runs: their losses should agree closely
+EAGER = {
+    "plain torch, CUDA graph": PLAIN,
+    "FSDP2 + compile per block": FSDP2,
+    "funcshard, compiled": "funcshard",
+    "funcshard, CUDA graph": "funcshard",
+}
+
+
+def _ratios(rows: dict[str, dict[str, Any]], losses: dict[str, list[torch.Tensor]]) -> list:
+    """Medians into ``rows``, with the per-round ratios to FSDP2 and to plain torch, the last
+    loss and its relative gaps to plain torch's and to its own eager step's (``EAGER``); the
+    targets' ratios (``None``: not measured)."""
+    timed = {label: row.pop("wall") for label, row in rows.items() if "wall" in row}
+    host = {label: rows[label].pop("host") for label in timed}
+    ratio = lambda a, b: harness.summary(timed, b)[a]["ratio"] if {a, b} <= set(timed) else None
+    final = {label: losses[label][-1].float().item() for label in timed}
+    gap = lambda a, b: abs(final[a] / final[b] - 1) if b in final else None
+    for label, ts in timed.items():
+        rows[label].update(
+            ms=1e3 * statistics.median(ts),
+            rounds=len(ts),
+            host_ms=1e3 * statistics.median(host[label]),
+            x_fsdp2=ratio(label, FSDP2),
+            x_plain=ratio(label, PLAIN),
+            loss=final[label],
+            loss_gap=gap(label, PLAIN),
+            loss_gap_eager=gap(label, EAGER[label]) if label in EAGER else None,
+        )
+    return [[a, b, at, ratio(a, b)] for a, b, at in TARGETS]
+
+
+def _short(row: dict[str, Any]) -> str:
+    if "skipped" in row:
+        return f"skipped: {row['skipped']}"
+    if "error" in row:
+        return f"FAILED ({row['phase']}): {row['error']}"
+    return f"first step {row['first_call_s']:.1f} s"
+
+
+# ------------------------------------------------------------------------------ the report
+
+
+def _results(results: dict[str, Any], device: str) -> list[dict[str, Any]]:
+    """The results of this part on ``device`` (``gpu-<device>-<config>.json``), configs in
+    the order of ``CONFIGS``."""
+    order = [*CONFIGS, *QUICK]
+    found = [r for k, r in results.items() if k.startswith(f"gpu-{device}-")]
+    return sorted(found, key=lambda r: order.index(r["result"]["name"]))
+
+
+def section(results: dict[str, Any]) -> str:
+    """The generated block of BENCHMARKS.md (``<!-- bench:gpu -->``): a table per config, from
+    the GPU's results (or, where there are none, a CPU run's)."""
+    found = _results(results, "cuda") or _results(results, "cpu")
+    if not found:
+        return "*No result yet: pending a run on the GPU machine (`python -m benchmarks.gpu`).*\n"
+    from .report import _measured, _table
+
+    out = []
+    for r in found:
+        cfg, peak = r["result"], r["result"]["peak_tflops"]
+        out.append(
+            f"**{cfg['name']}** ({cfg['parameters'] / 1e6:.1f}M parameters; "
+            f"{cfg['description']}): medians of {r['rounds']} alternating steps after "
+            f"{r['warmup']} warm-up steps; "
+            + (f"MFU against {peak:g} bf16 TFLOP/s." if peak else "no MFU (no peak given).")
+        )
+        out.append(_table(HEADER, [[label, *_cells(row)] for label, row in cfg["rows"].items()]))
+        out.append(_targets(cfg["targets"]) + "\n\n" + _measured(r) + "\n")
+    return "\n\n".join(out)
+
+
+HEADER = ["variant", "step ms", "x FSDP2", "x plain", "host ms", "GPU busy", "MFU",
+          "peak MiB", "first step s", "loss gap", "to eager"]  # fmt: skip
+
+
+def _cells(row: dict[str, Any]) -> list[str]:
+    if "skipped" in row:
+        return [f"skipped: {row['skipped']}", *["-"] * (len(HEADER) - 2)]
+    if "error" in row:
+        return [f"failed ({row['phase']}): `{row['error']}`", *["-"] * (len(HEADER) - 2)]
+    num = lambda x, f: "-" if x is None else f.format(x)
+    return [
+        f"{row['ms']:.1f}",
+        num(row["x_fsdp2"], "**{:.2f}**"),
+        num(row["x_plain"], "{:.2f}"),
+        f"{row['host_ms']:.1f}",
+        num(row["busy"], "{:.0%}"),
+        num(row["mfu"], "{:.1%}"),
+        f"{row['peak_bytes'] / 2**20:.1f}",
+        f"{row['first_call_s']:.1f}",
+        num(row["loss_gap"], "{:.1e}"),
+        num(row["loss_gap_eager"], "{:.1e}"),
+    ]
+
+
+def summary_rows(results: dict[str, Any]) -> list[list[str]]:
+    """Issue 17's targets on the GPU (a CUDA result only), one summary line each."""
+    out = []
+    for cfg in (r["result"] for r in _results(results, "cuda")):
+        for a, b, at, x in cfg["targets"]:
+            measured = "not measured" if x is None else f"{x:.2f}x"
+            met = "-" if x is None else "yes" if x <= at else "**no**"
+            out.append([f"GPU step {cfg['name']}: {a}", f"<= {at}x {b}", measured, met])
+    return out
+
+
+def _targets(targets: list) -> str:
+    """Issue 17's targets, as measured (median per-round ratios)."""
+    said = [
+        f"{a} / {b}: " + ("not measured" if x is None else f"**{x:.2f}x**")
+        + f" (target <= {at}x{'' if x is None else ', met' if x <= at else ', **not met**'})"
+        for a, b, at, x in targets
+    ]  # fmt: skip
+    return "Targets: " + "; ".join(said) + "."
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--quick", action="store_true", help="a tiny model, 3 rounds (CPU: < 1 min)")
+    ap.add_argument("--configs", help=f"comma-separated, of {[*CONFIGS, *QUICK]}")
+    ap.add_argument("--variants", help="comma-separated labels (default: all)")
+    ap.add_argument("--rounds", type=int, help="timed steps per variant (default 20; quick 3)")
+    ap.add_argument("--warmup", type=int, help="untimed alternating steps (default 5; quick 1)")
+    ap.add_argument("--peak-tflops", type=float, help="bf16 peak (default: 989, H100 SXM, on CUDA)")
+    ap.add_argument("--backend", help="torch.compile backend (default inductor; quick aot_eager)")
+    ap.add_argument("--out", type=Path, help="results folder")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    known = QUICK if args.quick else CONFIGS
+    names = args.configs.split(",") if args.configs else list(known)
+    unknown = [n for n in names if n not in {**CONFIGS, **QUICK}]
+    if unknown:
+        ap.error(f"unknown --configs {unknown}; known: {[*CONFIGS, *QUICK]}")
+    args.variants = args.variants.split(",") if args.variants else None
+    labels = variants(device, "")
+    if args.variants and set(args.variants) - set(labels):
+        ap.error(
+            f"unknown --variants {sorted(set(args.variants) - set(labels))}; known: {[*labels]}"
+        )
+    args.rounds = args.rounds or (3 if args.quick else 20)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
+    args.backend = args.backend or ("aot_eager" if args.quick else "inductor")
+    if args.peak_tflops is None and device.type == "cuda":
+        args.peak_tflops = 989.0
+    out = args.out or (harness.RESULTS / "quick" if args.quick else harness.RESULTS)
+    paths = []
+    with _world(device) as mesh:
+        for name in names:
+            t0, before = time.perf_counter(), harness.machine(device)
+            result = measure(name, {**CONFIGS, **QUICK}[name], mesh, device, args)
+            info = {
+                "part": "gpu",
+                "quick": args.quick,
+                "machine": before,
+                "load_average_after": harness.machine(device)["load_average"],
+                "seconds": time.perf_counter() - t0,
+                "rounds": args.rounds,
+                "warmup": args.warmup,
+                "result": result | {"peak_tflops": args.peak_tflops, "backend": args.backend},
+            }
+            paths.append(harness.write(f"gpu-{device.type}-{name}", info, out))
+            print(section({paths[-1].stem: info}))
+            print(f"[gpu] {name}: {info['seconds']:.0f} s -> {paths[-1]}", flush=True)
+    return paths
+
+
+@contextlib.contextmanager
+def _world(device: torch.device):
+    """One rank -- NCCL on CUDA device 0, gloo on CPU -- and its mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29534")
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda:0"))
+    else:
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield init_device_mesh(device.type, (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
