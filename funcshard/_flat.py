@@ -155,6 +155,7 @@ class Lowered:
     flat_dtypes: tuple[torch.dtype, ...]  # each leaf's copy-in dtype (see [Note: flat dtype])
     local: bool  # every bucket is local: nothing is ever pending
     aliases: bool  # some bucket is local: a full tensor may be its shard itself
+    shards_only: bool  # every full tensor is its shard itself: nothing to gather or free
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,7 +382,10 @@ def lower(
         local = all(c.world == 1 and c.over == 1 for c in (*comms, *replicas))
         buckets.append(Bucket(tuple(idx), lays, tuple(sharded), comms, replicas, out_dtype, local))
     local = [b.local for b in buckets]
-    return Lowered(tuple(buckets), len(dtypes), opts, mode, flat, all(local), any(local))
+    uncast = all(d == f == (opts.param_dtype or d) for d, f in zip(dtypes, flat, strict=True))
+    return Lowered(
+        tuple(buckets), len(dtypes), opts, mode, flat, all(local), any(local), all(local) and uncast
+    )
 
 
 def _weighted(b: Bucket, counts) -> tuple[tuple[C.Comm, ...], tuple[C.Comm, ...]]:

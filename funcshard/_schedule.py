@@ -222,6 +222,7 @@ class _Static:
     groups: dict[str, _GroupStatic]
     program: _program.Program  # the plan lowered for the mode and the frozen groups
     agreement: tuple  # agree's arguments, and the digest (checked at every call)
+    shards_only: bool  # no group gathers or frees anything (see [Note: nothing to refill])
 
 
 _STATIC: collections.OrderedDict[tuple, _Static] = collections.OrderedDict()
@@ -282,7 +283,8 @@ def _static(plan: Plan, names, locals_, specs, opts: _flat.Options, mode: Mode, 
         groups[g.name] = _GroupStatic(layouts[at : at + n], tuple(specs[at : at + n]), lowered)
         at += n
     frozen = frozenset(g.name for g in plan.groups if not any(names_grad[p] for p in g.params))
-    static = _Static(groups, _program.lower(plan, mode, frozen), agreement)
+    shards_only = all(g.lowered.shards_only for g in groups.values())
+    static = _Static(groups, _program.lower(plan, mode, frozen), agreement, shards_only)
     if key is not None:
         while _STATIC and len(_STATIC) >= _STATIC_SIZE:
             _STATIC.popitem(last=False)
@@ -467,6 +469,7 @@ class _Run:
         names = [p for g in plan.groups for p in g.params]
         locals_, specs = as_locals(names, [sharded[p] for p in names], "schedule")
         static, counts = _static(plan, names, locals_, specs, opts, mode, count)
+        self.shards_only = static.shards_only
         at = 0
         for g in plan.groups:
             n = len(g.params)
@@ -643,7 +646,13 @@ class _Run:
         return self.mode.frees
 
     def saved_tensor_hooks(self):
-        if not (self.frees and torch.is_grad_enabled()):
+        """[Note: nothing to refill]
+        The hooks refill freed groups for backward (and move the backward cursor: prefetch,
+        profiler ranges). Where every group's full tensors are its shards themselves (a mesh
+        of one rank, no cast: see [Note: one rank communicates nothing] in ``_collectives``),
+        nothing is ever freed or gathered, and the hooks would only cost a call per saved
+        tensor: they are left out, and so are the backward's per-group profiler ranges."""
+        if not (self.frees and torch.is_grad_enabled()) or self.shards_only:
             return contextlib.nullcontext()
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         return _compile.with_recorded_hooks(hooks) if self.mode is Mode.TRACED else hooks
