@@ -182,3 +182,15 @@ def resnet_init(m: nn.Module) -> None:
     elif isinstance(m, nn.BatchNorm2d):
         nn.init.constant_(m.weight, 1)
         nn.init.constant_(m.bias, 0)
+
+
+def meta_mlp(inp: int, hidden: int, out: int, act: type[nn.Module] = nn.ReLU):
+    """``Linear(inp, hidden) -> act -> Linear(hidden, out)`` (seed 0), its parameters extracted
+    and the module moved to meta: ``(module, params)``."""
+    import funcshard as fs
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(inp, hidden), act(), nn.Linear(hidden, out))
+    params, _ = fs.extract(model)
+    model.to("meta")
+    return model, params

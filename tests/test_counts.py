@@ -19,14 +19,11 @@ import funcshard as fs
 
 from _checks import raises
 from _mesh import mesh
+from _models import meta_mlp
 
 
 def _model():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
-    params, _ = fs.extract(model)
-    model.to("meta")
-    return model, params
+    return meta_mlp(6, 5, 3, nn.Tanh)
 
 
 def _batch(rank: int, sizes):

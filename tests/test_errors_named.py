@@ -14,14 +14,11 @@ import funcshard as fs
 
 from _checks import raises
 from _mesh import mesh
+from _models import meta_mlp
 
 
 def _model():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 1))
-    params, _ = fs.extract(model)
-    model.to("meta")
-    return model, params
+    return meta_mlp(16, 8, 1)
 
 
 def named_errors():
