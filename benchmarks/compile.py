@@ -1,8 +1,9 @@
-"""Part ``compile`` (issue 9): FSDP2 eager, FSDP2 + ``torch.compile(model)``, funcshard eager,
-funcshard's whole training step compiled over ``fs.schedule`` and over ``fs.unshard`` -- the
-same training step (forward, backward, AdamW) of the same model on the same data, inductor (the
-default backend; on CPU it compiles C++; ``--quick``: ``aot_eager``, which generates no code). See
-``variants.py`` for what each compiles.
+"""Part ``compile`` (issue 9): FSDP2 eager, FSDP2 + ``torch.compile(model)``, the unsharded model
++ ``torch.compile(model)`` (every block in one graph: what compiling a whole step costs before
+any sharding), funcshard eager, funcshard's whole training step compiled over ``fs.schedule``
+and over ``fs.unshard`` -- the same training step (forward, backward, AdamW) of the same model
+on the same data, inductor (the default backend; on CPU it compiles C++; ``--quick``:
+``aot_eager``, which generates no code). See ``variants.py`` for what each compiles.
 
 Per variant: the first call's time (for the compiled ones, compilation: Dynamo, AOTAutograd and
 inductor, with cold caches -- a fresh inductor cache directory per variant, see
@@ -33,6 +34,7 @@ BASELINE = "FSDP2"
 LABELS = {  # label -> name in VARIANTS
     BASELINE: "fsdp2",
     "FSDP2 + torch.compile(model)": "fsdp2 + compile",
+    "torch, unsharded + torch.compile(model)": "plain + compile",
     "funcshard": "funcshard",
     "funcshard, whole step compiled": "funcshard + compile",
     "funcshard over fs.unshard, whole step compiled": "funcshard.unshard + compile",

@@ -125,11 +125,15 @@ def fsdp2(
     return _torch_trainer(w, model, net, _adamw(model, o), counter)
 
 
-def plain(w: Workload, mesh: DeviceMesh, o: Options) -> Trainer:
+def plain(w: Workload, mesh: DeviceMesh, o: Options, *, compiled: bool = False) -> Trainer:
     """The model unsharded (``mesh`` unused), ``torch.optim.AdamW``: the floor. With
     ``o.param_dtype``, the forward runs under ``torch.autocast`` to it (fp32 parameters and
-    gradients, the matmuls in ``param_dtype``; the autocast cache off, as CUDA graphs need)."""
+    gradients, the matmuls in ``param_dtype``; the autocast cache off, as CUDA graphs need).
+    ``compiled``: ``torch.compile(model)`` (``o.compile_backend``), one graph of every block
+    (no hooks to break it), the optimizer eager."""
+    counter = CompileCounterWithBackend(o.compile_backend) if compiled else None
     model = w.build()
+    compiled_model = torch.compile(model, backend=counter) if compiled else model
     device = next(model.parameters()).device.type
     autocast = lambda: torch.autocast(
         device, o.param_dtype or torch.float32, enabled=o.param_dtype is not None,
@@ -138,9 +142,9 @@ def plain(w: Workload, mesh: DeviceMesh, o: Options) -> Trainer:
 
     def net(*batch):
         with autocast():
-            return model(*batch)
+            return compiled_model(*batch)
 
-    return _torch_trainer(w, model, net, _adamw(model, o), None)
+    return _torch_trainer(w, model, net, _adamw(model, o), counter)
 
 
 def _adamw(model: torch.nn.Module, o: Options) -> torch.optim.AdamW:
@@ -369,6 +373,7 @@ Variant = Callable[[Workload, DeviceMesh, Options], Trainer]
 VARIANTS: dict[str, Variant] = {
     "plain": plain,
     "plain + CUDA graph": cuda_graph(plain),
+    "plain + compile": functools.partial(plain, compiled=True),
     "fsdp2": fsdp2,
     "funcshard": funcshard,
     "fsdp2 + compile": fsdp2_compiled,

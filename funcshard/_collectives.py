@@ -72,9 +72,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from . import _debug
+from . import _debug, _opaque
 from ._compat import all_gather_single
-from ._compile import compiling, issued, waits_for
+from ._compile import compiling, issued, waited, waits_for
 from ._profiling import span
 
 _ops = torch.ops._c10d_functional
@@ -125,7 +125,7 @@ def wait(t: torch.Tensor) -> torch.Tensor:
     (old-style) autograd must not enter our graphs. Never call it on functorch-wrapped tensors.
     """
     if compiling():  # see [Note: collectives under torch.compile]
-        return _ops.wait_tensor(t) if waits_for(t) else t
+        return waited(_ops.wait_tensor(t)) if waits_for(t) else t
     if not _PENDING:
         return t
     ptr = t.untyped_storage().data_ptr()
@@ -304,14 +304,16 @@ class Started:
             self.work.wait()
 
 
-def start_all_gather(comm: Comm, pieces) -> Started:
+def start_all_gather(comm: Comm, pieces, after: torch.Tensor | None = None) -> Started:
     """Issue the all-gather of ``pieces`` outside autograd, copying them straight into this
     rank's slot of the output (no separate input buffer, as FSDP2's copy-in). The result is
     handed to :class:`AllGather` later (see [Note: issue early, record late] in ``_flat``).
     Plain autograd only (an in-place collective); under ``torch.compile``, the functional one
-    (see [Note: collectives under torch.compile])."""
+    (see [Note: collectives under torch.compile]) after a copy-in made by one operation that
+    follows ``after`` (see ``_opaque``)."""
     if compiling():
-        flat = _flat_pieces([p.detach() for p in pieces], 0, comm.gather_dtype or pieces[0].dtype)
+        with torch.no_grad():
+            flat = _opaque.copy_in(pieces, comm.gather_dtype or pieces[0].dtype, after)
         with span("all_gather", comm.label):
             y = _ops.all_gather_into_tensor(flat, comm.world, comm.group.group_name)
         return Started(issued(y), None)

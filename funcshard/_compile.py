@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import operator
 import types
 import warnings
 import weakref
@@ -39,6 +40,7 @@ from typing import TypeVar
 
 import torch
 import torch.utils._pytree as torch_pytree
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ._compat import HAS_2_13, needs_2_13
@@ -65,8 +67,10 @@ def traced(fn: F) -> F:
     name = getattr(fn, "__name__", "fn")
 
     def body(*args, **kwargs):
+        _WAITED.clear()  # a trace of its own: see after_waits
         try:
-            return _graphable(fn(*_decoded(args), **_decoded(kwargs)))
+            decoded = _decoded(args)
+            return _graphable(_returned_arguments(fn(*decoded, **_decoded(kwargs)), decoded))
         except Exception as e:
             if not compiling():
                 raise
@@ -86,7 +90,7 @@ def traced(fn: F) -> F:
             return fn(*args, **kwargs)
         if not HAS_2_13:
             refuse_while_tracing(needs_2_13(f"funcshard's {name} under torch.compile"))
-        return _ungraphed(opaque(*_encoded(args), **_encoded(kwargs)))
+        return _ungraphed(opaque(*_encoded(args), **_encoded(kwargs)), args)
 
     return functools.wraps(fn)(_own_code(call, name))  # type: ignore[return-value]
 
@@ -131,7 +135,10 @@ def _own_code(f: Callable, name: str) -> Callable:
 # NamedTuple result (an optimizer state) from its flattened form (torch 2.13). Arguments: this
 # constant string stands for ``None`` on the way in (an argument equal to it would be mistaken
 # for None). Results: nodes of our own, ``_Absent`` (no leaves) and ``_Named``, stand for them
-# on the way out.
+# on the way out. A result that is one of the arguments itself (the same tensors in the same
+# structure: a donated step's parameters and state, updated in place) crosses as ``_Same``, its
+# index, and is that argument again outside: Dynamo then neither flattens nor wraps its tensors
+# a second time.
 _NONE = "<funcshard: None>"
 
 
@@ -154,7 +161,15 @@ class _Named:
         self.cls, self.fields = cls, fields
 
 
+class _Same:
+    """A result that is the argument ``index`` itself."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
 torch_pytree.register_pytree_node(_Absent, lambda _: ([], None), lambda _, __: _Absent())
+torch_pytree.register_pytree_node(_Same, lambda s: ([], s.index), lambda _, i: _Same(i))
 torch_pytree.register_pytree_node(
     _Named, lambda n: (list(n.fields), n.cls), lambda fields, cls: _Named(cls, list(fields))
 )
@@ -171,11 +186,36 @@ def _graphable(tree):
     return torch_pytree.tree_map(one, tree, is_leaf=lambda x: x is None or named(x))
 
 
-def _ungraphed(tree):
+def _returned_arguments(out, args: tuple):
+    """``out``, a result or a tuple of results, with ``_Same`` for each that is one of
+    ``args``."""
+
+    def same(x):
+        leaves, spec = torch_pytree.tree_flatten(x)
+        for i, a in enumerate(args):
+            theirs, their_spec = torch_pytree.tree_flatten(a)
+            if leaves and spec == their_spec and all(map(operator.is_, leaves, theirs)):
+                return _Same(i)
+        return x
+
+    return tuple(same(x) for x in out) if type(out) is tuple else same(out)
+
+
+def _ungraphed(tree, args: tuple):
+    """The result of a call with ``args``, rebuilt (see [Note: results through a
+    nonstrict_trace boundary])."""
+    if isinstance(tree, _Same):
+        return args[tree.index]
+    if type(tree) is tuple:
+        return tuple(args[x.index] if isinstance(x, _Same) else _rebuilt(x) for x in tree)
+    return _rebuilt(tree)
+
+
+def _rebuilt(tree):
     def one(x):
         if isinstance(x, _Absent):
             return None
-        return x.cls(*(_ungraphed(v) for v in x.fields)) if isinstance(x, _Named) else x
+        return x.cls(*(_rebuilt(v) for v in x.fields)) if isinstance(x, _Named) else x
 
     return torch_pytree.tree_map(one, tree, is_leaf=lambda x: isinstance(x, _Absent | _Named))
 
@@ -227,30 +267,36 @@ def issued(t: torch.Tensor) -> torch.Tensor:
 def waits_for(t: torch.Tensor) -> bool:
     """Whether ``t`` is a collective output issued in this trace and not yet waited (and forget
     it: it is waited now)."""
-    if _ISSUED.pop(id(t), None) is not t:
-        return False
-    _LAST_WAITED[0] = weakref.ref(t)
-    return True
+    return _ISSUED.pop(id(t), None) is t
 
 
-_LAST_WAITED: list[weakref.ref | None] = [None]  # in the running trace
+_WAITED: list[weakref.ref] = []  # wait_tensor outputs of the running trace since the last token
 
 
-def after_last_wait(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``tensors``, made to depend on the collective waited last in this trace.
+def waited(t: torch.Tensor) -> torch.Tensor:
+    """Remember ``t``, a ``wait_tensor``'s output, for the next :func:`after_waits`; returns
+    ``t``."""
+    _WAITED.append(weakref.ref(t))
+    return t
 
-    [Note: re-gathers stay in backward]
-    A re-gather's copy-in reads only the shards, which the forward's copy-in of the same group
-    reads too; inductor fuses the two (shared reads) and so computes the backward's copy-in
-    buffer in forward, holding it until backward. Adding zero times one element of the last
-    collective output to each shard ties the copy-in to the point of the trace where it is
-    issued. (An infinite or NaN element there would spread: only a broken step has one.)
+
+def after_waits() -> torch.Tensor | None:
+    """A token computed from the collective outputs waited since the last token in the running
+    trace: one element of each, copied (``None`` if there are none).
+
+    [Note: a gather's copy-in follows the waits before it]
+    A group's copy-in (``_opaque.copy_in``) reads only the shards, graph inputs: nothing in the
+    graph ties it to the point of the trace where the plan issues its gather, and inductor's
+    peak-memory ordering placed copy-ins, and the reduce-scatters whose results only the
+    optimizer reads, far from there (a re-gather's copy-in computed in forward and held until
+    backward; reduce-scatters a group late), holding their buffers. So each copy-in takes this
+    token as an input it does not read: it runs after every collective waited before it in
+    the plan's order. One element copied from each, not views: a view would keep the whole
+    buffer alive until the copy-in runs.
     """
-    last = _LAST_WAITED[0] and _LAST_WAITED[0]()
-    if last is None:
-        return list(tensors)
-    zero = last.reshape(-1)[:1].sum() * 0
-    return [t + zero.to(t.dtype) for t in tensors]
+    outs = [t for t in (r() for r in _WAITED) if t is not None]
+    _WAITED.clear()
+    return torch.cat([t.reshape(-1)[:1].to(torch.float32) for t in outs]) if outs else None
 
 
 def root(t: torch.Tensor) -> torch.Tensor:
@@ -269,7 +315,13 @@ def regathered(saved: torch.Tensor, old: list[torch.Tensor], new: list[torch.Ten
     base = root(saved)
     for o, n in zip(old, new, strict=True):
         if root(o) is base:
-            return saved._view_func(root(n)) if saved._is_view() else root(n)
+            if not saved._is_view():
+                return root(n)
+            if isinstance(saved, DTensor):
+                return saved._view_func(root(n))
+            # the new storage has the old one's layout: one view, not a replay of the chain
+            # (a group's tensors view one buffer, see ``_opaque``)
+            return root(n).as_strided(saved.shape, saved.stride(), saved.storage_offset())
     raise LookupError("funcshard: a saved tensor that views no gathered parameter")
 
 

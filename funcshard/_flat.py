@@ -30,8 +30,8 @@ import torch
 from torch.distributed.tensor import Shard
 
 from . import _collectives as C
-from . import _counts
-from ._compile import compiling
+from . import _counts, _opaque
+from ._compile import after_waits, compiling
 from ._mode import Mode
 from ._spec import ShardSpec
 
@@ -261,8 +261,11 @@ def _split(flat: torch.Tensor, shapes, dims, sizes) -> list[torch.Tensor]:
     return out
 
 
-def _start_level(xs, layouts, mesh_dim: int, comm: C.Comm, replicas=(), early=False) -> _Level:
-    """Pad; under plain autograd also issue the all-gather of one mesh dim.
+def _start_level(
+    xs, layouts, mesh_dim: int, comm: C.Comm, replicas=(), early=False, after=None
+) -> _Level:
+    """Pad; under plain autograd also issue the all-gather of one mesh dim (``early`` and
+    ``after``: see :func:`issue`).
 
     [Note: issue early, record late]
     Autograd runs ready backward nodes newest first. If the all-gather's node were created
@@ -278,7 +281,7 @@ def _start_level(xs, layouts, mesh_dim: int, comm: C.Comm, replicas=(), early=Fa
     padded = [_pad(x, d, -(-n // comm.world)) for x, d, n in zip(xs, dims, sizes, strict=True)]
     # ``early``: under torch.compile, issued early too (see [Note: collectives under
     # torch.compile])
-    started = C.start_all_gather(comm, padded) if comm.async_op or early else None
+    started = C.start_all_gather(comm, padded, after) if comm.async_op or early else None
     if all(x.numel() == 0 for x in xs):
         # [Note: empty shards are reduced synchronously]
         # A pending gradient is waited where it reaches a wait node, found by its storage. If all
@@ -294,6 +297,10 @@ def _finish_level(level: _Level, into: Sequence[torch.Tensor] | None = None):
     off, else through one parameter-sized temporary at a time."""
     gathered = level.started.wait() if level.started is not None else None
     buffer = C.AllGather.apply(level.comm, level.replicas, gathered, *level.pieces)
+    if gathered is not None and compiling():  # see [Note: one operation per group, not per tensor]
+        chunks = tuple(tuple(p.shape) for p in level.pieces)
+        copies = _opaque.Copies(level.comm.world, chunks, tuple(level.dims), tuple(level.sizes))
+        return list(_opaque.CopyOut.apply(buffer, copies))
     rows = buffer.view(level.comm.world, -1)
     shapes = [tuple(p.shape) for p in level.pieces]
     out = []
@@ -429,6 +436,8 @@ def issue(
     """
     tensors = list(armed) if armed is not None else arm(tensors, lowered)
     early = lowered.mode is Mode.TRACED
+    # see [Note: a gather's copy-in follows the waits before it] in _compile
+    after = after_waits() if early else None
     started = []
     for b in lowered.buckets:
         xs = [tensors[i] for i in b.index]
@@ -438,7 +447,7 @@ def issue(
             comm = b.comms[0] if b.comms else b.replicas[0]
             state = [C.one_rank(x, comm) for x in xs]
         elif b.comms:
-            state = _start_level(xs, b.layouts, b.sharded[-1], comms[0], replicas, early)
+            state = _start_level(xs, b.layouts, b.sharded[-1], comms[0], replicas, early, after)
         else:
             flat = torch.cat([x.reshape(-1) for x in xs])
             for r in replicas:

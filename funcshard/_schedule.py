@@ -381,10 +381,7 @@ class _Group:
             self.armed = None
         else:  # a re-gather only refills storage: not part of the graph
             with torch.no_grad():
-                shards = self.locals
-                if self.mode is Mode.TRACED:  # see [Note: re-gathers stay in backward]
-                    shards = _compile.after_last_wait(shards)
-                self.inflight = _flat.issue(shards, self.lowered, counts=self.counts)
+                self.inflight = _flat.issue(self.locals, self.lowered, counts=self.counts)
         self._move(State.IN_FLIGHT)
 
     def wait(self, notify: Callable | None) -> None:

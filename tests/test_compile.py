@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch.distributed.tensor import Shard
 
 import funcshard as fs
 from funcshard._compat import HAS_2_13
@@ -245,8 +246,11 @@ def _flat_numel(plan, sharded) -> dict[int, str]:
     return out
 
 
+# views and copies of a gathered buffer (auto_functionalized_v2: funcshard::copy_out, a group's
+# full tensors copied into a buffer of the graph, see funcshard._opaque)
 _VIEWS = {"view", "_unsafe_view", "t", "permute", "slice", "split_with_sizes", "getitem",
-          "clone", "reshape", "alias", "expand", "detach", "transpose", "as_strided"}  # fmt: skip
+          "clone", "reshape", "alias", "expand", "detach", "transpose", "as_strided",
+          "auto_functionalized_v2"}  # fmt: skip
 
 
 def _events(graph, groups: dict[int, str]):
@@ -309,6 +313,58 @@ def test_schedule_follows_plan(world2):
         assert same, (events, planned)
         assert planned.count(("all_gather", "blocks.0")) == 1
         assert not any(kept_out.values()), kept_out  # the control: kept until backward
+
+
+def _custom_ops(graph) -> list[str]:
+    """The funcshard operators of a graph, in order (mutating ones through
+    auto_functionalized_v2, the way AOTAutograd records them)."""
+    out = []
+    for n in graph.graph.nodes:
+        op = n.args[0] if n.target is torch.ops.higher_order.auto_functionalized_v2 else n.target
+        if isinstance(op, torch._ops.OpOverload) and op.namespace == "funcshard":
+            out.append(op._opname)
+    return out
+
+
+def one_operation_per_group():
+    """A compiled scheduled step over shards of the last dim, with sizes 2 ranks do not divide
+    and a frozen parameter: equal to eager; each gather's copy-in and copy-out and each group's
+    gradient copy is one operation of the graph, and AdamW's update a few (one per chunk of
+    parameters), not code per tensor."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Net(hidden=(5, 6))
+    params, buffers = fs.extract(model)
+    sharded = fs.shard(params, mesh(dist.get_world_size()), lambda _, t: Shard(t.dim() - 1))
+    sharded["inp.bias"].requires_grad_(False)
+    model.to("meta")
+    plan = fs.plan(model, fs.policy.by_type(Block))
+    apply = fs.schedule(model, plan)
+    vg = fs.value_and_grad(lambda p, x, y: F.mse_loss(apply(p, x, buffers=buffers), y))
+    opt = fs.optim.adamw(1e-2, weight_decay=0.1)
+
+    def step(params, state, x, y):
+        loss, grads = vg(params, x, y)
+        params, state = fs.optim.step(opt, params, grads, state)
+        return loss, params, state
+
+    graphs = []
+    compiled = torch.compile(step, backend=_recording(graphs), fullgraph=True)
+    _train_side_by_side(step, compiled, opt, sharded, 2)
+    (graph,) = graphs
+    ops = _custom_ops(graph)
+    updates = sum("addcdiv" in str(n.target) for n in graph.graph.nodes)
+    gathers = sum(s.op == "all_gather" for s in plan.forward + plan.backward)
+    return {op: ops.count(op) for op in sorted(set(ops))}, gathers, len(plan.groups), updates
+
+
+def test_one_operation_per_group(world2):
+    for counts, gathers, groups, updates in world2.run(one_operation_per_group):
+        assert gathers == 3 + 2  # the root and 2 blocks; the blocks again in backward
+        assert counts["copy_in"] == counts["copy_out"] == gathers, counts
+        assert counts["copy_grads"] == groups, counts
+        assert 1 <= counts["adam_"] < 11, counts  # 11 trained parameter tensors
+        assert updates == 0  # the update is torch's kernel, not traced per tensor
 
 
 def compiled_loss_only():

@@ -427,3 +427,22 @@ def test_fused_kernel_as_torch_optim_fused(make):
         params, state = optim.step(opt, params, grads, state)
     for k, t in theirs.items():
         assert torch.equal(params[k], t.detach()), k
+
+
+def test_fused_kernel_with_a_gradient_that_is_a_view():
+    """A gradient that is a non-contiguous view (the shard of a dim other than 0, cut out of
+    its padded chunk) is updated as the loop kernel does: torch's fused CPU kernel alone reads
+    it as if it were contiguous (see [Note: fused kernels read dense gradients])."""
+    g = torch.Generator().manual_seed(6)
+    params = {"w": torch.randn(8, 2, generator=g)}
+    loop = fs.optim.adamw(0.01, weight_decay=0.1)
+    fused = fs.optim.adamw(0.01, weight_decay=0.1, fused=True)
+    results = []
+    for opt in (loop, fused):
+        p = {k: v.clone() for k, v in params.items()}
+        state = opt.init(p)
+        for step in range(3):
+            grad = torch.randn(8, 3, generator=torch.Generator().manual_seed(step))[:, :2]
+            p, state = optim.step(opt, p, {"w": grad}, state)
+        results.append(p["w"])
+    torch.testing.assert_close(results[1], results[0], atol=1e-6, rtol=1e-6)

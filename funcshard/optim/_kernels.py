@@ -37,6 +37,7 @@ from torch.optim.sgd import sgd as torch_sgd
 
 from .._compile import compiling
 from .._tree import PyTree, flatten, map_with_path, unflatten
+from . import _opaque as opaque
 from ._base import EmptyState, GradientTransformation, check_like, leaves_like, local, wrap
 from ._masked import Mask, resolve
 
@@ -102,8 +103,8 @@ def adam(
         fused: as in ``torch.optim``: ``True`` runs torch's fused kernel (one kernel for all
             the shards of a dtype and device; CUDA, and CPU for floating dtypes), what
             ``torch.optim.AdamW(fused=True)`` computes; not with ``foreach=True``. Under
-            ``torch.compile`` the step is traced through the unfused kernel, which inductor
-            fuses (see [Note: the fused kernel under torch.compile]).
+            ``torch.compile`` the kernel runs as one operation of the graph (see [Note: the
+            optimizer in a compiled step]).
 
     Raises:
         ValueError: a negative ``lr``/``eps``/``weight_decay`` or a beta outside ``[0, 1)``;
@@ -295,28 +296,24 @@ def _adam_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
         _writable(fields["nu"], pairs.active, inplace),
     )
     targets = _writable(pairs.params, pairs.active, inplace)
-    options = dict(hp.options)
-    if isinstance(count, torch.Tensor) and options["fused"]:
-        # [Note: the fused kernel under torch.compile]
-        # torch keeps its fused Adam out of traces (torch.compiler.disable), which a whole-step
-        # graph cannot hold; traced, the same arithmetic runs through torch's other kernel and
-        # inductor fuses it into the step's own code.
-        options["fused"] = None
     for weight_decay, idx in _groups(hp, pairs):
-        torch_adam(
+        lists = (
             [local(targets[i]) for i in idx],
             [local(pairs.grads[i]) for i in idx],
             [local(mu[i]) for i in idx],
             [local(nu[i]) for i in idx],
-            [],
-            [steps[i] for i in idx],  # incremented by the kernel
-            foreach=hp.foreach,
-            # tensor steps all the way (see [Note: the step count under torch.compile])
-            capturable=isinstance(count, torch.Tensor),
-            lr=lr,
-            weight_decay=weight_decay,
-            **options,
         )
+        leaf_steps = [steps[i] for i in idx]  # incremented by the kernel
+        if isinstance(count, torch.Tensor):  # see [Note: the optimizer in a compiled step]
+            kw = dict(lr=lr, weight_decay=weight_decay, foreach=hp.foreach, options=hp.options)
+            opaque.adam(*lists, leaf_steps, **kw)
+            continue
+        if dict(hp.options)["fused"]:  # see [Note: fused kernels read dense gradients]
+            lists = (lists[0], opaque.dense(lists[1]), *lists[2:])
+        torch_adam(
+            *lists, [], leaf_steps, foreach=hp.foreach, lr=lr, weight_decay=weight_decay,
+            **dict(hp.options),
+        )  # fmt: skip
     if inplace:
         state.count.add_(1)
         return _no_updates(pairs), state
@@ -351,12 +348,17 @@ def _sgd_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
         # the foreach Nesterov kernel adds into the gradients when there is no weight decay
         copy = not inplace and opts["nesterov"] and weight_decay == 0
         given = [None if fresh or b is None else local(b) for b in (bufs[i] for i in idx)]
+        ps = [local(targets[i]) for i in idx]
+        if isinstance(count, torch.Tensor):  # see [Note: the optimizer in a compiled step]
+            gs = [local(pairs.grads[i]) for i in idx]
+            kw = dict(lr=lr, weight_decay=weight_decay, foreach=hp.foreach, options=opts)
+            opaque.sgd(ps, gs, [b for b in given if b is not None], **kw)
+            continue
         torch_sgd(
-            [local(targets[i]) for i in idx],
+            ps,
             [local(pairs.grads[i]).clone() if copy else local(pairs.grads[i]) for i in idx],
             given,
-            # a tensor lr needs the foreach kernel (see [Note: a schedule under torch.compile])
-            foreach=True if isinstance(lr, torch.Tensor) else hp.foreach,
+            foreach=hp.foreach,
             lr=lr,
             weight_decay=weight_decay,
             **opts,
@@ -415,10 +417,10 @@ def _count_of(state) -> int | torch.Tensor:
 
     [Note: the step count under torch.compile]
     Converting the count to a Python number while tracing would bake it into the graph (a
-    guard, and a recompilation at every step). Traced, it stays a tensor: torch's kernels take
-    tensor steps (as ``torch.optim`` does under compile), a learning rate given as a number does
-    not depend on it, and a schedule is called with the tensor (see [Note: a schedule under
-    torch.compile]).
+    guard, and a recompilation at every step). Traced, it stays a tensor: the update runs as an
+    operation of the graph that reads the per-leaf steps at run time (see [Note: the optimizer
+    in a compiled step] in ``_opaque``), a learning rate given as a number does not depend on
+    it, and a schedule is called with the tensor (see [Note: a schedule under torch.compile]).
     """
     return state.count if compiling() else int(state.count)
 
@@ -481,13 +483,12 @@ def _traced_lr(hp: _Hyper, count: torch.Tensor) -> float | torch.Tensor:
     schedule is called with it, as optax's schedules are called with a traced count under
     ``jax.jit``; fs.optim's schedules then compute with torch ops (see [Note: schedules of a
     tensor count] in ``_schedules``) and the graph computes the lr at every step from the count
-    it reads. torch's kernels take that 0-dim tensor as ``torch.optim`` takes a tensor ``lr``:
-    Adam/AdamW through the capturable path (the one a compiled step always uses), with the same
-    formulas as for a float; SGD through its foreach kernel, the one torch.optim makes take a
-    tensor lr under compile (``p += g * -lr``, where the loop's ``p.add_(g, alpha=-lr)`` needs a
-    number), which may round the last bit differently. A value is not a Python number at trace
-    time, so a negative or non-finite lr from a schedule is not checked in a compiled step
-    (eager steps check it); a schedule that returns a Python number is checked while tracing.
+    it reads. The update's operation (see [Note: the optimizer in a compiled step] in
+    ``_opaque``) takes that 0-dim tensor: torch's fused kernels use it as it is, the others read
+    it as a number at run time, so the formulas are the eager step's. A value is not a Python
+    number at trace time, so a negative or non-finite lr from a schedule is not checked in a
+    compiled step (eager steps check it); a schedule that returns a Python number is checked
+    while tracing.
     """
     try:
         value = hp.lr(count) if callable(hp.lr) else hp.lr

@@ -1,0 +1,151 @@
+"""Adam and SGD in a compiled step: torch's kernel as one operation of the graph.
+
+[Note: the optimizer in a compiled step]
+Traced into the graph (see [Note: funcshard under torch.compile] in ``_compile``), torch's Adam
+kernel is a dozen operations per parameter tensor -- the moments, the bias corrections of its
+own step count, the update -- and the in-place update of each parameter, moment and count one
+more: on a model of 100 tensors about 800 nodes, most of the graph's, and inductor's two largest
+kernels (BENCHMARKS.md, section 7). Under ``torch.compile`` the update is therefore one custom
+operator per weight-decay group (``funcshard::adam_``, ``funcshard::sgd_``): it updates the
+parameters, moments and counts in place (the graph's inputs, for the donated ``fs.optim.step``:
+nothing is copied) by calling ``torch.optim``'s functional kernel at run time, as an eager step
+does -- the way FSDP2 + ``torch.compile(model)`` keeps its optimizer step eager.
+
+Inductor's decomposition of a mutating operator (``decompose_auto_functionalized``) grows
+faster than linearly with the number of tensors it mutates: 3 s for one operator over 100
+parameters (400 tensors), 0.8 s for the same in operators of up to ``_CHUNK`` parameters
+(torch 2.13); the update is issued in such chunks (one kernel call each at run time).
+
+The kernel is the one the optimizer was made with (``foreach``, ``fused``). Left to torch (both
+``None``), a compiled step on CPU uses torch's fused kernel -- one pass over each tensor, as the
+code inductor generated did -- where eager ``torch.optim`` loops over tensors one op at a time;
+elsewhere torch's default. The learning rate of a schedule arrives as the graph's 0-dim tensor:
+the fused kernels take it as it is, the others as a number (read once per step).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.optim.adam import adam as torch_adam
+from torch.optim.sgd import sgd as torch_sgd
+
+_ADAM = (
+    "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+    "Tensor(d!)[] steps, float lr, Tensor? lr_tensor, float weight_decay, float beta1, "
+    "float beta2, float eps, bool decoupled_weight_decay, bool maximize, bool? foreach, "
+    "bool? fused) -> ()"
+)
+_SGD = (
+    "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, float lr, "
+    "Tensor? lr_tensor, float weight_decay, float momentum, float dampening, bool nesterov, "
+    "bool maximize, bool? foreach, bool? fused) -> ()"
+)
+
+
+_CHUNK = 8  # parameters per operator: see [Note: the optimizer in a compiled step]
+
+
+def _chunks(n: int) -> list[slice]:
+    return [slice(i, i + _CHUNK) for i in range(0, n, _CHUNK)]
+
+
+def dense(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``grads``, the non-contiguous ones copied.
+
+    [Note: fused kernels read dense gradients]
+    torch's fused Adam and SGD kernels on CPU read a non-contiguous gradient as if it were
+    contiguous, updating with the wrong elements (torch 2.13; the loops over tensors are right):
+    the gradient of a shard of a dim other than 0, cut out of its padded chunk when the size
+    does not divide, is such a view. ``tests/test_compile.py`` trains one.
+    """
+    return [g if g.is_contiguous() else g.contiguous() for g in grads]
+
+
+def _lr(lr: float, lr_tensor: torch.Tensor | None, fused: bool | None):
+    if lr_tensor is None:
+        return lr
+    return lr_tensor if fused else float(lr_tensor)
+
+
+@torch.library.custom_op(
+    "funcshard::adam_",
+    mutates_args=("params", "exp_avgs", "exp_avg_sqs", "steps"),
+    schema=_ADAM,
+)
+def _adam(
+    params, grads, exp_avgs, exp_avg_sqs, steps, lr, lr_tensor, weight_decay, beta1, beta2, eps,
+    decoupled_weight_decay, maximize, foreach, fused,
+) -> None:  # fmt: skip
+    torch_adam(
+        params, dense(grads) if fused else grads, exp_avgs, exp_avg_sqs, [], steps,
+        foreach=foreach, fused=fused, lr=_lr(lr, lr_tensor, fused), weight_decay=weight_decay,
+        beta1=beta1, beta2=beta2, eps=eps, decoupled_weight_decay=decoupled_weight_decay,
+        amsgrad=False, maximize=maximize,
+    )  # fmt: skip
+
+
+@_adam.register_fake
+def _(*args) -> None:
+    return None
+
+
+@torch.library.custom_op(
+    "funcshard::sgd_", mutates_args=("params", "momentum_buffers"), schema=_SGD
+)
+def _sgd(
+    params, grads, momentum_buffers, lr, lr_tensor, weight_decay, momentum, dampening, nesterov,
+    maximize, foreach, fused,
+) -> None:  # fmt: skip
+    if nesterov:  # torch's foreach Nesterov adds into the gradients, which are not ours
+        grads = [g.clone() for g in grads]
+    elif fused:  # see [Note: fused kernels read dense gradients]
+        grads = dense(grads)
+    torch_sgd(
+        params, grads, list(momentum_buffers) or [None] * len(params),
+        foreach=foreach, fused=fused, lr=_lr(lr, lr_tensor, False), weight_decay=weight_decay,
+        momentum=momentum, dampening=dampening, nesterov=nesterov, maximize=maximize,
+    )  # fmt: skip
+
+
+@_sgd.register_fake
+def _(*args) -> None:
+    return None
+
+
+def _kernel(params: list[torch.Tensor], foreach: bool | None, fused: bool | None):
+    """(foreach, fused) for a compiled step: see [Note: the optimizer in a compiled step]."""
+    if foreach is None and fused is None:
+        cpu = all(p.device.type == "cpu" and p.is_floating_point() for p in params)
+        return None, (True if cpu and params else None)
+    return foreach, fused
+
+
+def _split_lr(lr: float | torch.Tensor) -> tuple[float, torch.Tensor | None]:
+    return (0.0, lr) if isinstance(lr, torch.Tensor) else (float(lr), None)
+
+
+def adam(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, weight_decay, foreach, options):
+    """torch's Adam kernel on these lists, as one operation of the compiled graph; ``options``:
+    the kernel's other keyword arguments (``fs.optim.adam``'s)."""
+    opts: dict[str, Any] = dict(options)
+    foreach, fused = _kernel(params, foreach, opts["fused"])
+    for c in _chunks(len(params)):
+        torch.ops.funcshard.adam_(
+            params[c], grads[c], exp_avgs[c], exp_avg_sqs[c], steps[c], *_split_lr(lr),
+            weight_decay, opts["beta1"], opts["beta2"], opts["eps"],
+            opts["decoupled_weight_decay"], opts["maximize"], foreach, fused,
+        )  # fmt: skip
+
+
+def sgd(params, grads, momentum_buffers, *, lr, weight_decay, foreach, options):
+    """torch's SGD kernel on these lists, as one operation of the compiled graph;
+    ``momentum_buffers``: empty without momentum."""
+    foreach, fused = _kernel(params, foreach, None)
+    for c in _chunks(len(params)):
+        torch.ops.funcshard.sgd_(
+            params[c], grads[c], momentum_buffers[c], *_split_lr(lr), weight_decay,
+            options["momentum"], options["dampening"], options["nesterov"], options["maximize"],
+            foreach, fused,
+        )  # fmt: skip
