@@ -397,6 +397,22 @@ def time_and_peak(v: dict[str, Any]) -> list[str]:
     ]
 
 
+def _start_up(res: dict[str, Any]) -> str:
+    if "compiler_start_up_s" not in res:  # results from before it was measured
+        return ""
+    out = (
+        f"First calls are compiled in a process whose compiler was started before the variants "
+        f"(that start-up: {res['compiler_start_up_s']:.1f} s, counted in no variant)."
+    )
+    f = res.get("floor", {})
+    if "first_call_s" in f:
+        out += (
+            f" For scale, {f['label']} (the unsharded model, every block in one graph; compile "
+            f"time only, measured first): first call {f['first_call_s']:.1f} s."
+        )
+    return out
+
+
 def compile_section(results: dict[str, Any]) -> str:
     r = next((v for k, v in sorted(results.items()) if k.startswith("compile-")), None)
     if r is None:
@@ -422,7 +438,8 @@ def compile_section(results: dict[str, Any]) -> str:
             f"{res['workload']['description']} ({res['workload']['parameters'] / 1e6:.1f}M "
             f"parameters), {res['param_dtype']}, backend `{res['backend']}`; step times are "
             f"medians of {r['rounds']} steps after {r['warmup']} warm-up steps, peaks the median "
-            f"of {res['memory_steps']} accounted steps; ratios to {res['baseline']} (eager).",
+            f"of {res['memory_steps']} accounted steps; ratios to {res['baseline']} (eager). "
+            + _start_up(res),
             _table(
                 [
                     "variant",

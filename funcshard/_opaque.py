@@ -6,9 +6,9 @@ copies around its collectives were per-tensor code: the copy-in of its shards in
 all-gather's input (a ``cat``), the copy-out of each full parameter from the gathered rows (a
 view and a copy per tensor) and, in backward, the copy of each full gradient into the
 reduce-scatter's input (a ``cat`` of per-tensor views). Inductor makes each tensor's piece a
-buffer of its own -- a scheduler node, C++ code, a kernel -- so on a model of 100 parameter
-tensors these copies were hundreds of the graph's nodes and a large share of its compile time
-(BENCHMARKS.md, section 7). Here each is one custom operator over the whole group, the way
+buffer of its own -- a scheduler node, C++ code, a kernel -- so these copies were several
+nodes of the graph per parameter tensor and a large share of its compile time (BENCHMARKS.md,
+section 7). Here each is one custom operator over the whole group, the way
 FSDP2's ``all_gather_copy_in`` / ``split_with_sizes_copy`` / ``chunk_cat`` are: one node in
 the graph, eager torch code at run time (the same copies the eager paths make).
 
@@ -29,7 +29,7 @@ the step's peak grew by a group or two.
 A group's layout is passed as flat lists of ints (the operators' schema has no nested lists):
 ``shapes`` the pieces' (padded chunk) shapes concatenated, ``ndims`` their lengths, ``dims`` the
 dim each piece is gathered along, ``sizes`` the full length along it (padding cut off).
-Only while compiling with plain autograd (``_compile.traced_autograd``): the operators have no
+Only while compiling with plain autograd (``Mode.TRACED``, see ``_mode``): the operators have no
 ``torch.func`` rules, and eager code gains nothing from them.
 """
 

@@ -4,17 +4,20 @@
 Traced into the graph (see [Note: funcshard under torch.compile] in ``_compile``), torch's Adam
 kernel is a dozen operations per parameter tensor -- the moments, the bias corrections of its
 own step count, the update -- and the in-place update of each parameter, moment and count one
-more: on a model of 100 tensors about 800 nodes, most of the graph's, and inductor's two largest
-kernels (BENCHMARKS.md, section 7). Under ``torch.compile`` the update is therefore one custom
+more: most of a whole step's graph, and inductor's largest kernels, all compiled anew for every
+model (BENCHMARKS.md, section 7). Under ``torch.compile`` the update is therefore one custom
 operator per weight-decay group (``funcshard::adam_``, ``funcshard::sgd_``): it updates the
 parameters, moments and counts in place (the graph's inputs, for the donated ``fs.optim.step``:
 nothing is copied) by calling ``torch.optim``'s functional kernel at run time, as an eager step
 does -- the way FSDP2 + ``torch.compile(model)`` keeps its optimizer step eager.
 
 Inductor's decomposition of a mutating operator (``decompose_auto_functionalized``) grows
-faster than linearly with the number of tensors it mutates: 3 s for one operator over 100
-parameters (400 tensors), 0.8 s for the same in operators of up to ``_CHUNK`` parameters
-(torch 2.13); the update is issued in such chunks (one kernel call each at run time).
+faster than linearly with the number of tensors it mutates, so the update is issued in chunks
+of ``_CHUNK`` parameters (one kernel call each at run time).
+
+The operators read the per-leaf step counts (CPU tensors) and a schedule's learning rate on the
+host, which a CUDA graph would not replay: they are tagged ``cudagraph_unsafe``, so inductor's
+CUDA graphs (``mode="reduce-overhead"``) leave them out instead of freezing the counts.
 
 The kernel is the one the optimizer was made with (``foreach``, ``fused``). Left to torch (both
 ``None``), a compiled step on CPU uses torch's fused kernel -- one pass over each tensor, as the
@@ -73,6 +76,7 @@ def _lr(lr: float, lr_tensor: torch.Tensor | None, fused: bool | None):
     "funcshard::adam_",
     mutates_args=("params", "exp_avgs", "exp_avg_sqs", "steps"),
     schema=_ADAM,
+    tags=(torch.Tag.cudagraph_unsafe,),  # see [Note: the optimizer in a compiled step]
 )
 def _adam(
     params, grads, exp_avgs, exp_avg_sqs, steps, lr, lr_tensor, weight_decay, beta1, beta2, eps,
@@ -92,7 +96,10 @@ def _(*args) -> None:
 
 
 @torch.library.custom_op(
-    "funcshard::sgd_", mutates_args=("params", "momentum_buffers"), schema=_SGD
+    "funcshard::sgd_",
+    mutates_args=("params", "momentum_buffers"),
+    schema=_SGD,
+    tags=(torch.Tag.cudagraph_unsafe,),  # see [Note: the optimizer in a compiled step]
 )
 def _sgd(
     params, grads, momentum_buffers, lr, lr_tensor, weight_decay, momentum, dampening, nesterov,
