@@ -289,7 +289,7 @@ def _adam_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
     _check_state(hp.name, state, AdamState)
     pairs, fields = _pair(hp.name, grads, params, {"mu": state.mu, "nu": state.nu})
     steps = _writable(_leaf_steps(hp.name, state, pairs), pairs.active, inplace)
-    count = _count_of(state)
+    count = _count_of(hp.name, state)
     lr = _lr_at(hp, count)
     mu, nu = (
         _writable(fields["mu"], pairs.active, inplace),
@@ -336,7 +336,7 @@ def _sgd_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
         )
     trees = {"momentum": state.momentum} if has_momentum else {}
     pairs, fields = _pair(hp.name, grads, params, trees)
-    count = _count_of(state)
+    count = _count_of(hp.name, state)
     lr = _lr_at(hp, count)
     fresh = has_momentum and dict(hp.options)["dampening"] != 0 and _first(hp, count)
     bufs = [None] * len(pairs.paths)
@@ -411,9 +411,13 @@ def _count() -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64)
 
 
-def _count_of(state) -> int | torch.Tensor:
+def _count_of(name: str, state) -> int | torch.Tensor:
     """The number of updates done, as an int; under ``torch.compile``, the state's tensor
     itself, so that the graph reads it at run time.
+
+    Raises:
+        RuntimeError: called while a CUDA graph is being captured (see [Note: no capture of
+            host counts]).
 
     [Note: the step count under torch.compile]
     Converting the count to a Python number while tracing would bake it into the graph (a
@@ -422,7 +426,22 @@ def _count_of(state) -> int | torch.Tensor:
     in a compiled step] in ``_opaque``), a learning rate given as a number does not depend on
     it, and a schedule is called with the tensor (see [Note: a schedule under torch.compile]).
     """
-    return state.count if compiling() else int(state.count)
+    if compiling():
+        return state.count
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        # [Note: no capture of host counts]
+        # The count and the per-leaf steps are CPU tensors, read and incremented on the host:
+        # a CUDA graph records only the device work, so every replay would repeat the captured
+        # step's bias correction and learning rate while the counts stay put. torch.optim
+        # refuses such a capture too (unless capturable=True).
+        raise RuntimeError(
+            f"{name}: the optimizer step is being captured into a CUDA graph, but its step "
+            "counts live on the host, which a graph replay does not update (every replay would "
+            "reuse the captured step's bias correction and learning rate). Capture the forward "
+            "and backward only and run fs.optim.step outside the graph, or compile the step "
+            "with torch.compile, whose graph reads the counts at run time."
+        )
+    return int(state.count)
 
 
 def _first(hp: _Hyper, count) -> bool:

@@ -161,7 +161,7 @@ def _update(m: _Muon, grads, state, params=None, *, inplace: bool):
     pairs, fields = _pair("muon", grads, params, {"momentum": state.momentum})
     trained = [p if g is not None else None for p, g in zip(pairs.params, pairs.grads, strict=True)]
     _check_dims(m, unflatten(pairs.spec, trained))
-    count = _count_of(state)
+    count = _count_of("muon", state)
     lr = _lr_at(m.hp, count)
     bufs = _writable(fields["momentum"], pairs.active, inplace)
     targets = _writable(pairs.params, pairs.active, inplace)
