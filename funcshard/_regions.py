@@ -29,8 +29,8 @@ and for correctness:
   is still read.
 
 A region falls back to an ordinary call (inlined in the step's graph) when its graphs cannot be
-made: an output that is not a floating-point tensor requiring grad, a tensor constant, an
-integer saved for backward.
+made: DTensor parameters (FSDP x TP), an output that is not a floating-point tensor requiring
+grad, a tensor constant, an integer saved for backward.
 """
 
 from __future__ import annotations
@@ -42,13 +42,15 @@ from typing import Any
 import torch
 from torch import nn
 
-# private torch APIs, here only (tests/test_regions.py::test_private_torch_apis)
+# the torch._ imports (and torch._C._AutoDispatchBelowAutograd) are private APIs, used here only:
+# see tests/test_compile.py::test_private_torch_apis_of_regions
 from torch._dispatch.python import suspend_functionalization
 from torch._functorch._aot_autograd.graph_compile import prepare_for_partitioner
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._higher_order_ops.invoke_subgraph import invoke_subgraph, trace_joint_graph_as_bwd
 from torch._higher_order_ops.utils import _from_fun
 from torch._subclasses.functional_tensor import disable_functional_mode
+from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
 from ._deferred import release_all
@@ -116,6 +118,8 @@ def _graphs(call, real: list, cache: dict) -> _Graphs | None:
         with call.bound(tensors):
             return call.run(tensors)
 
+    if any(isinstance(t, DTensor) for t in real):  # FSDP x TP: DTensor parameters
+        return None
     with suspend_functionalization(), disable_functional_mode(), disable_proxy_modes_tracing():
         primals = [_from_fun(t) for t in real]
         with torch.enable_grad():
