@@ -30,7 +30,9 @@ and for correctness:
 
 A region falls back to an ordinary call (inlined in the step's graph) when its graphs cannot be
 made: DTensor parameters (FSDP x TP), an output that is not a floating-point tensor requiring
-grad, a tensor constant, an integer saved for backward.
+grad, a tensor constant, an integer saved for backward; or when it draws random numbers
+(dropout): the compiler seeds a subgraph's random ops once, so every call of a shared subgraph
+would draw the same numbers.
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ def _graphs(call, real: list, cache: dict) -> _Graphs | None:
         tangents = [_from_fun(o).contiguous() for o in outs]
     keys = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
     joint = trace_joint_graph_as_bwd(fn, len(primals), primals + tangents, *keys)
-    if joint.graph.find_nodes(op="get_attr"):
+    if joint.graph.find_nodes(op="get_attr") or any(map(_random, joint.graph.nodes)):
         return None
     meta = tuple((t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in real)
     key = (joint.code, meta)
@@ -137,6 +139,11 @@ def _graphs(call, real: list, cache: dict) -> _Graphs | None:
         outputs = tuple((o.shape, o.dtype, o.device) for o in outs)
         cache[key] = _partition(joint, len(primals), outputs, f"funcshard_region{len(cache)}")
     return cache[key]
+
+
+def _random(node) -> bool:
+    """A random op: one subgraph called by every block would draw the same numbers in each."""
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
 def _partition(joint, n_inputs: int, outputs, name: str) -> _Graphs | None:

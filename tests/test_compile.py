@@ -605,6 +605,36 @@ def test_identical_groups_share_their_subgraphs(world2):
             assert ops[name] == ["aten.mm.default"] * 4
 
 
+class Dropped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return F.dropout(self.fc(x), 0.5)
+
+
+def random_groups_inline():
+    """A block that draws random numbers (dropout) is traced inline, not as a region."""
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(4, 8), Dropped(), Dropped(), nn.Linear(8, 1))
+    params, buffers = fs.extract(model)
+    sharded = fs.shard(params, mesh(dist.get_world_size()))
+    model.to("meta")
+    apply = fs.schedule(model, fs.plan(model, fs.policy.by_type(Dropped)))
+    vg = fs.value_and_grad(lambda p, x: apply(p, x, buffers=buffers).square().mean())
+    graphs = []
+    torch.compile(vg, backend=_recording(graphs), fullgraph=True)(sharded, _batch(0)[0])
+    (graph,) = graphs
+    targets = [n.target for n in graph.graph.nodes]
+    return torch.ops.higher_order.invoke_subgraph in targets, len(targets)
+
+
+def test_random_groups_are_not_regions(world2):
+    for regions, nodes in world2.run(random_groups_inline):
+        assert not regions and nodes > 0
+
+
 def test_private_torch_apis_of_regions():
     """What funcshard/_regions.py relies on (torch's invoke_subgraph and its joint tracing, the
     min-cut partitioner): a region's joint graph, partitioned, gives the forward's values and
