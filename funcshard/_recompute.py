@@ -92,15 +92,17 @@ def modules(module: nn.Module, plan: Plan) -> dict[str, nn.Module]:
 
 
 @contextlib.contextmanager
-def recomputing(subs: Mapping[str, nn.Module]) -> Iterator[None]:
+def recomputing(subs: Mapping[str, nn.Module], wrap: Callable | None = None) -> Iterator[None]:
     """While the scheduled call runs, each module of ``subs`` runs through :class:`_Recompute`
-    (its ``forward`` attribute replaced on the instance, then restored)."""
+    (its ``forward`` attribute replaced on the instance by ``wrap(sub, forward, name)``, by
+    default :func:`_recomputed`, then restored)."""
+    wrap = wrap or _recomputed
     saved = []
     try:
         for name, sub in subs.items():
             own = sub.__dict__.get("forward")  # an instance attribute of its own, if any
             saved.append((sub, own))
-            sub.forward = _recomputed(sub, own or sub.forward, name)
+            sub.forward = wrap(sub, own or sub.forward, name)
         yield
     finally:
         for sub, own in reversed(saved):
@@ -137,25 +139,8 @@ def _recomputed(sub: nn.Module, forward: Callable, group: str) -> Callable:
             finally:
                 for resolver in resolvers:
                     resolver.sealed = None
-        leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
-        at = tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
-        slots: dict[int, tuple[torch.Tensor, list[str]]] = {}  # one input per distinct tensor
-        for slot, t in _one_per_slot(sub, dict(_named_state(sub))).items():
-            slots.setdefault(id(t), (t, []))[1].append(slot)
-        buffers = {n for n, _ in sub.named_buffers(remove_duplicate=False)}
-        inputs = [leaves[i] for i in at] + [t for t, _ in slots.values()]
-        for i in at:
-            leaves[i] = None  # the call keeps no tensor: they are the Function's inputs
-        real, resolvers = resolve_all(inputs)  # the group's turn in the plan: see _deferred
+        call, real, resolvers = prepared(sub, forward, args, kwargs)
         try:
-            call = _Call(
-                sub,
-                forward,
-                (spec, leaves, at),
-                tuple(tuple(names) for _, names in slots.values()),
-                tuple(any(n in buffers for n in names) for _, names in slots.values()),
-                real,
-            )
             for resolver in resolvers:  # a parameter of another group is refused meanwhile
                 resolver.sealed = group
             out = _Recompute.apply(call, *real)
@@ -166,6 +151,36 @@ def _recomputed(sub: nn.Module, forward: Callable, group: str) -> Callable:
         return call.outputs(out)
 
     return run
+
+
+def prepared(sub: nn.Module, forward: Callable, args, kwargs) -> tuple:
+    """``(call, tensors, resolvers)`` for one call of ``sub``: the :class:`_Call`, the call's
+    tensors (its tensor arguments, then the tensors bound to its parameters and buffers, the
+    group's full tensors resolved: its turn in the plan, see _deferred), and the resolvers to
+    release once it ran."""
+    leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+    at = tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
+    slots: dict[int, tuple[torch.Tensor, list[str]]] = {}  # one input per distinct tensor
+    for slot, t in _one_per_slot(sub, dict(_named_state(sub))).items():
+        slots.setdefault(id(t), (t, []))[1].append(slot)
+    buffers = {n for n, _ in sub.named_buffers(remove_duplicate=False)}
+    inputs = [leaves[i] for i in at] + [t for t, _ in slots.values()]
+    for i in at:
+        leaves[i] = None  # the call keeps no tensor: they are the Function's inputs
+    real, resolvers = resolve_all(inputs)
+    try:
+        call = _Call(
+            sub,
+            forward,
+            (spec, leaves, at),
+            tuple(tuple(names) for _, names in slots.values()),
+            tuple(any(n in buffers for n in names) for _, names in slots.values()),
+            real,
+        )
+    except BaseException:
+        release_all(resolvers)
+        raise
+    return call, real, resolvers
 
 
 def _resolvers(sub: nn.Module) -> list:

@@ -76,7 +76,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from . import _compile, _counts, _flat, _grad_layout, _parallel, _program, _recompute, _sink
+from . import (
+    _compile,
+    _counts,
+    _flat,
+    _grad_layout,
+    _parallel,
+    _program,
+    _recompute,
+    _regions,
+    _sink,
+)
 from ._collectives import Notify
 from ._consensus import cached_digest, failing, leaf
 from ._deferred import Deferred
@@ -129,6 +139,7 @@ def schedule(
     tied = aliases(module)
     unplanned = [n for n, _ in module.named_parameters() if n not in group_of and n not in tied]
     recomputed = _recompute.modules(module, plan)  # see [Note: recompute as part of the plan]
+    regions = _regions.modules(module, plan)  # see [Note: identical groups compiled once]
 
     @_compile.traced  # see [Note: funcshard under torch.compile]
     def apply(
@@ -144,7 +155,13 @@ def schedule(
             check_not_wrapped(module, "functional_call", walk)
             named = slots(module, ({**params, **deferred}, buffers or {}), True, False, walk)
         run.bind_regions(module, named)
-        with run.saved_tensor_hooks(), _recompute.recomputing(recomputed), _naming_freed(run):
+        traced = run.mode is Mode.TRACED
+        with (
+            run.saved_tensor_hooks(),
+            _recompute.recomputing(recomputed),
+            _recompute.recomputing(regions if traced else {}, _regions.regioned({})),
+            _naming_freed(run),
+        ):
             out = call(module, named, args, kwargs)
         run.end_forward()
         return out

@@ -280,20 +280,29 @@ def _events(graph, groups: dict[int, str]):
     return events, last_use, nodes
 
 
+def _scheduled_graph(hidden, backend=None, **plan_kw):
+    """A scheduled value_and_grad over blocks of widths ``hidden``, compiled (by default
+    recording its graph), equal to eager for two batches: ``(plan, sharded, graph)``."""
+    model, sharded, buffers = _setup(hidden=hidden)
+    plan = fs.plan(model, fs.policy.by_type(Block), **plan_kw)
+    apply = fs.schedule(model, plan)
+    vg = fs.value_and_grad(lambda p, x, y: F.mse_loss(apply(p, x, buffers=buffers), y))
+    graphs = []
+    compiled = torch.compile(vg, backend=backend or _recording(graphs), fullgraph=True)
+    for i in range(2):
+        x, y = _batch(i)
+        fs.testing.assert_close(compiled(sharded, x, y), vg(sharded, x, y), **TOL)
+    if backend is not None:
+        return plan, sharded, None
+    (graph,) = graphs  # one graph: forward and backward
+    return plan, sharded, graph
+
+
 def schedule_follows_plan(reshard: bool):
     """A compiled scheduled step: eager's values, and a graph whose gathers are the plan's
     all_gather/wait steps in order; with reshard_after_forward, the forward's gathered tensors
     are not read in backward (each block is gathered again there)."""
-    model, sharded, buffers = _setup(hidden=(5, 6))
-    plan = fs.plan(model, fs.policy.by_type(Block), reshard_after_forward=reshard)
-    apply = fs.schedule(model, plan)
-    vg = fs.value_and_grad(lambda p, x, y: F.mse_loss(apply(p, x, buffers=buffers), y))
-    graphs = []
-    compiled = torch.compile(vg, backend=_recording(graphs), fullgraph=True)
-    for i in range(2):
-        x, y = _batch(i)
-        fs.testing.assert_close(compiled(sharded, x, y), vg(sharded, x, y), **TOL)
-    (graph,) = graphs  # one graph: forward and backward
+    plan, sharded, graph = _scheduled_graph((5, 6), reshard_after_forward=reshard)
     events, last_use, nodes = _events(graph, _flat_numel(plan, sharded))
     planned = [
         (s.op, s.group) for s in plan.forward + plan.backward if s.op in ("all_gather", "wait")
@@ -479,6 +488,16 @@ def test_inductor(world2):
     world2.run(inductor_step)
 
 
+def inductor_scheduled():
+    """A scheduled value_and_grad compiled by inductor, over two identical blocks (one
+    subgraph, called twice: see funcshard/_regions.py): eager's values and gradients."""
+    _scheduled_graph((3, 3), backend="inductor")
+
+
+def test_inductor_scheduled(world2):
+    world2.run(inductor_scheduled)
+
+
 def no_silent_fallback():
     """What cannot be compiled raises instead of falling back to eager: a new input shape under
     error_on_recompile; SGD momentum with dampening (its first step is special) under fullgraph,
@@ -551,3 +570,103 @@ def test_a_transform_created_inside_is_refused_with_our_message_first(world2):
                 "RuntimeError: funcshard: <lambda> was created inside a function that "
                 "torch.compile is compiling."
             ), firsts
+
+
+# ---- identical groups compiled once (funcshard/_regions.py) ----------------------------------
+
+
+def _mm_ops(graph) -> list[str]:
+    return [str(n.target) for n in graph.graph.nodes if "mm" in str(n.target)]
+
+
+def identical_groups():
+    """A compiled scheduled step over blocks of widths (5, 5, 6): eager's values; the blocks run
+    as invoke_subgraph calls, the two identical ones through one forward and one backward
+    subgraph, and the backward subgraphs compute no forward matmul again."""
+    _, _, graph = _scheduled_graph((5, 5, 6))
+    calls = [n for n in graph.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+    subgraphs = [n.args[0].target for n in calls]
+    ops = {name: _mm_ops(getattr(graph, name)) for name in set(subgraphs)}
+    return [n.args[1] for n in calls], subgraphs, ops
+
+
+def test_identical_groups_share_their_subgraphs(world2):
+    for identifiers, subgraphs, ops in world2.run(identical_groups):
+        forward = [s for s, i in zip(subgraphs, identifiers, strict=True) if i.endswith("_forward")]
+        backward = [
+            s for s, i in zip(subgraphs, identifiers, strict=True) if i.endswith("_backward")
+        ]
+        assert len(forward) == len(backward) == 3
+        assert forward[0] == forward[1] != forward[2]  # blocks 0 and 1 share, block 2 not
+        assert backward[0] != backward[1] == backward[2]  # backward runs block 2 first
+        for name in forward:
+            assert ops[name] == ["aten.addmm.default"] * 2
+        for name in backward:  # gradients of the inputs and weights, no forward recomputed
+            assert ops[name] == ["aten.mm.default"] * 4
+
+
+class Dropped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return F.dropout(self.fc(x), 0.5)
+
+
+def random_groups_inline():
+    """A block that draws random numbers (dropout) is traced inline, not as a region."""
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(4, 8), Dropped(), Dropped(), nn.Linear(8, 1))
+    params, buffers = fs.extract(model)
+    sharded = fs.shard(params, mesh(dist.get_world_size()))
+    model.to("meta")
+    apply = fs.schedule(model, fs.plan(model, fs.policy.by_type(Dropped)))
+    vg = fs.value_and_grad(lambda p, x: apply(p, x, buffers=buffers).square().mean())
+    graphs = []
+    torch.compile(vg, backend=_recording(graphs), fullgraph=True)(sharded, _batch(0)[0])
+    (graph,) = graphs
+    targets = [n.target for n in graph.graph.nodes]
+    return torch.ops.higher_order.invoke_subgraph in targets, len(targets)
+
+
+def test_random_groups_are_not_regions(world2):
+    for regions, nodes in world2.run(random_groups_inline):
+        assert not regions and nodes > 0
+
+
+def test_private_torch_apis_of_regions():
+    """What funcshard/_regions.py relies on (torch's invoke_subgraph and its joint tracing, the
+    min-cut partitioner): a region's joint graph, partitioned, gives the forward's values and
+    the gradients of eager. Fails on a torch upgrade that changes them."""
+    from funcshard._regions import _partition
+
+    block = Block(4, 3)
+    x = torch.randn(2, 4, requires_grad=True)
+    tensors = [x, *block.parameters()]
+
+    names = [n for n, _ in block.named_parameters()]
+
+    def fn(x, *params):
+        return (torch.func.functional_call(block, dict(zip(names, params, strict=True)), (x,)),)
+
+    from torch._higher_order_ops.invoke_subgraph import trace_joint_graph_as_bwd
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fakes = [mode.from_tensor(t).requires_grad_() for t in tensors]
+        tangent = torch.empty(2, 4)
+        keys = (
+            torch._C._dispatch_tls_local_include_set(),
+            torch._C._dispatch_tls_local_exclude_set(),
+        )
+        joint = trace_joint_graph_as_bwd(fn, len(fakes), [*fakes, tangent], *keys)
+    graphs = _partition(joint, len(tensors), ((torch.Size([2, 4]), x.dtype, x.device),), "r")
+    assert graphs is not None
+    out, *extra = graphs.forward(*[t.detach() for t in tensors])
+    expected = fn(x, *block.parameters())[0]
+    torch.testing.assert_close(out, expected)
+    grad = torch.randn(2, 4)
+    saved = [tensors[i].detach() if k == "input" else extra[i] for k, i in graphs.saved]
+    found = graphs.backward(*saved, grad)
+    torch.testing.assert_close(found, torch.autograd.grad(expected, tensors, grad))
