@@ -142,8 +142,15 @@ def _graphs(call, real: list, cache: dict) -> _Graphs | None:
 
 
 def _random(node) -> bool:
-    """A random op: one subgraph called by every block would draw the same numbers in each."""
-    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+    """A random op: one subgraph called by every block would draw the same numbers in each.
+    Attention with ``dropout_p=0`` (the seeded tag is on the op for its dropout) draws none."""
+    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name == "dropout_p":
+            given = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            return (arg.default_value if given is None else given) != 0
+    return True
 
 
 def _partition(joint, n_inputs: int, outputs, name: str) -> _Graphs | None:

@@ -9,7 +9,9 @@ Compiling is slow on the 2-core CI machine: the models are tiny, most tests use 
 
 from __future__ import annotations
 
+import functools
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -614,14 +616,27 @@ class Dropped(nn.Module):
         return F.dropout(self.fc(x), 0.5)
 
 
-def random_groups_inline():
-    """A block that draws random numbers (dropout) is traced inline, not as a region."""
+class Attending(nn.Module):
+    """Self-attention over the batch's rows; ``dropout_p``: SDPA's own dropout."""
+
+    def __init__(self, dropout_p: float) -> None:
+        super().__init__()
+        self.qkv, self.dropout_p = nn.Linear(8, 24), dropout_p
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unsqueeze(0).chunk(3, dim=-1)
+        return x + F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout_p)[0]
+
+
+def random_groups_inline(block: Callable[[], nn.Module]):
+    """Whether the step's graph calls regions, with two blocks made by ``block``."""
     torch._dynamo.reset()
-    model = nn.Sequential(nn.Linear(4, 8), Dropped(), Dropped(), nn.Linear(8, 1))
+    model = nn.Sequential(nn.Linear(4, 8), block(), block(), nn.Linear(8, 1))
     params, buffers = fs.extract(model)
     sharded = fs.shard(params, mesh(dist.get_world_size()))
     model.to("meta")
-    apply = fs.schedule(model, fs.plan(model, fs.policy.by_type(Dropped)))
+    kind = type(model[1])
+    apply = fs.schedule(model, fs.plan(model, fs.policy.by_type(kind)))
     vg = fs.value_and_grad(lambda p, x: apply(p, x, buffers=buffers).square().mean())
     graphs = []
     torch.compile(vg, backend=_recording(graphs), fullgraph=True)(sharded, _batch(0)[0])
@@ -630,9 +645,17 @@ def random_groups_inline():
     return torch.ops.higher_order.invoke_subgraph in targets, len(targets)
 
 
-def test_random_groups_are_not_regions(world2):
-    for regions, nodes in world2.run(random_groups_inline):
-        assert not regions and nodes > 0
+@pytest.mark.parametrize(
+    "block, regions",
+    [
+        (Dropped, False),  # dropout: traced inline (one shared subgraph would reuse one mask)
+        (functools.partial(Attending, 0.25), False),  # attention's own dropout: likewise
+        (functools.partial(Attending, 0.0), True),  # attention without dropout draws nothing
+    ],
+)
+def test_random_groups_are_not_regions(world2, block, regions):
+    for got, nodes in world2.run(random_groups_inline, block):
+        assert got == regions and nodes > 0
 
 
 def test_private_torch_apis_of_regions():
