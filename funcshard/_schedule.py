@@ -155,11 +155,15 @@ def schedule(
             check_not_wrapped(module, "functional_call", walk)
             named = slots(module, ({**params, **deferred}, buffers or {}), True, False, walk)
         run.bind_regions(module, named)
-        traced = run.mode is Mode.TRACED
+        as_regions = (  # regions only while traced: see [Note: identical groups compiled once]
+            _recompute.recomputing(regions, _regions.regioned({}))
+            if run.mode is Mode.TRACED
+            else contextlib.nullcontext()
+        )
         with (
             run.saved_tensor_hooks(),
             _recompute.recomputing(recomputed),
-            _recompute.recomputing(regions if traced else {}, _regions.regioned({})),
+            as_regions,
             _naming_freed(run),
         ):
             out = call(module, named, args, kwargs)
