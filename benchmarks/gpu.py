@@ -52,6 +52,7 @@ from funcshard._compat import HAS_2_13, needs_2_13
 from . import compile as compiled
 from . import harness, memory, timeline
 from .host import Llama, LlamaBlock
+from .tables import measured, table
 from .variants import VARIANTS, Graphed, Options, Trainer
 from .workloads import Workload, _lm_loss
 
@@ -360,7 +361,6 @@ def section(results: dict[str, Any]) -> str:
     found = _results(results, "cuda") or _results(results, "cpu")
     if not found:
         return "*No result yet: pending a run on the GPU machine (`python -m benchmarks.gpu`).*\n"
-    from .report import _measured, _table
 
     out = []
     for r in found:
@@ -371,8 +371,8 @@ def section(results: dict[str, Any]) -> str:
             f"{r['warmup']} warm-up steps; "
             + (f"MFU against {peak:g} bf16 TFLOP/s." if peak else "no MFU (no peak given).")
         )
-        out.append(_table(HEADER, [[label, *_cells(row)] for label, row in cfg["rows"].items()]))
-        out.append(_targets(cfg["targets"]) + "\n\n" + _measured(r) + "\n")
+        out.append(table(HEADER, [[label, *_cells(row)] for label, row in cfg["rows"].items()]))
+        out.append(_targets(cfg["targets"]) + "\n\n" + measured(r) + "\n")
     return "\n\n".join(out)
 
 

@@ -16,6 +16,7 @@ import gc
 from typing import Any
 
 from . import harness, memory, step_time
+from .tables import measured, table, time_and_peak
 from .variants import VARIANTS, Options
 from .workloads import describe, transformer
 
@@ -76,7 +77,6 @@ def section(results: dict[str, Any]) -> str:
     r = next((v for k, v in sorted(results.items()) if k.startswith("recompute-")), None)
     if r is None:
         return ""
-    from .report import _measured, _table, time_and_peak
 
     res, out = r["result"], []
     base = res["baseline"]
@@ -98,7 +98,7 @@ def section(results: dict[str, Any]) -> str:
             f"steps; ratios to {base}."
         )
         out.append(
-            _table(
+            table(
                 [
                     "variant",
                     "step ms",
@@ -113,7 +113,7 @@ def section(results: dict[str, Any]) -> str:
                 rows,
             )
         )
-    out.append(_measured(r) + "\n")
+    out.append(measured(r) + "\n")
     return "\n\n".join(out)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from . import gpu, harness, recompute, scale
+from .tables import mark, measured, ratio, table, time_and_peak
 from .timeline import LANES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,25 +27,12 @@ def _load(folder: Path) -> dict[str, Any]:
     return {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
 
 
-def _measured(r: dict[str, Any]) -> str:
-    m = r["machine"]
-    load = f"load average {m['load_average'][0]:.1f} -> {r['load_average_after'][0]:.1f}"
-    world = f"{r['world']} ranks, " if "world" in r else ""
-    return f"*Measured on {harness.label(m)}, {world}{m['date'][:10]}, torch {m['torch']}, {load}.*"
 
 
-def _table(header: list[str], rows: list[list[Any]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
-def _ratio(x: float | None) -> str:
-    return "-" if x is None else f"**{x:.3f}**"
 
 
-def _mark(ok: bool) -> str:
-    return "yes" if ok else "**no**"
 
 
 def step_section(results: dict[str, Any]) -> str:
@@ -60,7 +48,7 @@ def step_section(results: dict[str, Any]) -> str:
                 f"{row['fsdp2_ms']:.0f}",
                 f"{row['funcshard_ms']:.0f}",
                 f"**{row['ratio']:.2f}**",
-                _mark(row["ratio"] <= 0.9),
+                mark(row["ratio"] <= 0.9),
                 f"{row['loss_gap']:.1e}",
             ]
             for row in res["rows"]
@@ -71,7 +59,7 @@ def step_section(results: dict[str, Any]) -> str:
             f"medians of {r['rounds']} steps after {r['warmup']} warm-up steps.\n"
         )
         out.append(
-            _table(
+            table(
                 [
                     "variant",
                     "params",
@@ -85,7 +73,7 @@ def step_section(results: dict[str, Any]) -> str:
                 rows,
             )
         )
-        out.append(_measured(r) + "\n")
+        out.append(measured(r) + "\n")
     return "\n\n".join(out)
 
 
@@ -122,8 +110,8 @@ def memory_section(results: dict[str, Any]) -> str:
             f"({t['workload']['parameters'] / 1e6:.1f}M): MiB per rank at the all-threads peak "
             f"of the step with the median peak of {t['steps']}"
         )
-        out.append(_table(["category", *labels], rows))
-    out.append(_measured(r) + "\n")
+        out.append(table(["category", *labels], rows))
+    out.append(measured(r) + "\n")
     return "\n\n".join(out)
 
 
@@ -144,12 +132,12 @@ def comms_section(results: dict[str, Any]) -> str:
                         c.get("reduce_scatter", 0),
                         f"{row[name]['mib']:.2f}",
                         f"{row['bound_mib']:.2f}",
-                        _ratio(row[name]["x_bound"]),
+                        ratio(row[name]["x_bound"]),
                     ]
                 )
         out.append(f"**{r['world']} ranks**, {r['result']['workload']['description']}:")
         out.append(
-            _table(
+            table(
                 [
                     "",
                     "params",
@@ -163,7 +151,7 @@ def comms_section(results: dict[str, Any]) -> str:
                 rows,
             )
         )
-        out.append(_measured(r) + "\n")
+        out.append(measured(r) + "\n")
     return "\n\n".join(out)
 
 
@@ -174,7 +162,7 @@ def _overhead_tables(r: dict[str, Any]) -> list[str]:
             [label, f"{v['ms']:.1f}", f"**{v['ratio']:.2f}**"] for label, v in t["rows"].items()
         ]
         out.append(f"*{t['workload']['description']}*")
-        out.append(_table(["", "step ms", "x FSDP2"], rows))
+        out.append(table(["", "step ms", "x FSDP2"], rows))
     return out
 
 
@@ -186,7 +174,7 @@ def overhead_section(results: dict[str, Any]) -> str:
     if real:
         out.append("On real ranks (gloo):")
         out += _overhead_tables(real)
-        out.append(_measured(real))
+        out.append(measured(real))
     fake = results.get("overhead-fake")
     if fake:
         out.append(
@@ -194,7 +182,7 @@ def overhead_section(results: dict[str, Any]) -> str:
             "frameworks' own CPU work):"
         )
         out += _overhead_tables(fake)
-        out.append(_measured(fake))
+        out.append(measured(fake))
     return "\n\n".join(out) + "\n"
 
 
@@ -244,7 +232,7 @@ def scale_section(results: dict[str, Any], folder: Path, images: str) -> str:
     ]
     return "\n\n".join(
         [
-            _table(
+            table(
                 [
                     "model",
                     "parameters",
@@ -257,14 +245,14 @@ def scale_section(results: dict[str, Any], folder: Path, images: str) -> str:
                 rows,
             ),
             f"![per-rank parameter memory]({images}/scale_memory.png)",
-            _table(
+            table(
                 ["layers", "parameters", "tensors", "fs.plan ms", "fs.shard ms (meta, 8 ranks)"],
                 trows,
             ),
             f"Linear fits against the parameter count: `fs.plan` R^2 = {fits['plan_ms'][2]:.3f}, "
             f"`fs.shard` R^2 = {fits['shard_ms'][2]:.3f}.",
             f"![plan and shard time]({images}/scale_time.png)",
-            _measured(r) + "\n",
+            measured(r) + "\n",
         ]
     )
 
@@ -287,9 +275,9 @@ def timeline_section(results: dict[str, Any], folder: Path, images: str) -> str:
                     f"{100 * t['comm_overlapped']:.0f}%",
                 ]
             )
-    out = [_table(["", "rank", "step ms", "gloo transfer ms", "transfer under compute"], rows)]
+    out = [table(["", "rank", "step ms", "gloo transfer ms", "transfer under compute"], rows)]
     out += [f"![timeline rank {i}]({images}/{p.name})" for i, p in enumerate(paths)]
-    out.append(_measured(r) + "\n")
+    out.append(measured(r) + "\n")
     return "\n\n".join(out)
 
 
@@ -386,15 +374,6 @@ def plot_scale(res: dict[str, Any], folder: Path) -> None:
     plt.close(fig)
 
 
-def time_and_peak(v: dict[str, Any]) -> list[str]:
-    """A row's step time, its ratio, the all-threads peak, its ratio and the own-thread peak."""
-    return [
-        f"{v['ms']:.0f}",
-        f"**{v['ratio']:.2f}**",
-        f"{v['peak_all'] / MiB:.1f}",
-        f"**{v['peak_ratio']:.2f}**",
-        f"{v['peak_own'] / MiB:.1f} ({v['peak_own_ratio']:.2f}x)",
-    ]
 
 
 def _start_up(res: dict[str, Any]) -> str:
@@ -440,7 +419,7 @@ def compile_section(results: dict[str, Any]) -> str:
             f"medians of {r['rounds']} steps after {r['warmup']} warm-up steps, peaks the median "
             f"of {res['memory_steps']} accounted steps; ratios to {res['baseline']} (eager). "
             + _start_up(res),
-            _table(
+            table(
                 [
                     "variant",
                     "step ms",
@@ -455,7 +434,7 @@ def compile_section(results: dict[str, Any]) -> str:
                 ],
                 rows,
             ),
-            _measured(r) + "\n",
+            measured(r) + "\n",
         ]
     )
 
@@ -477,7 +456,7 @@ def summary_section(results: dict[str, Any]) -> str:
                 "training step time",
                 "<= 0.9x FSDP2",
                 f"{min(ratios):.2f}x - {max(ratios):.2f}x ({len(ratios)} configurations)",
-                _mark(max(ratios) <= 0.9),
+                mark(max(ratios) <= 0.9),
             ]
         )
     memory = next((v for k, v in sorted(results.items()) if k.startswith("memory-")), None)
@@ -494,7 +473,7 @@ def summary_section(results: dict[str, Any]) -> str:
                     f"peak memory, {t['workload']['name']} {t['param_dtype']}",
                     "<= 0.95x FSDP2",
                     measured,
-                    _mark(ratio <= 0.95),
+                    mark(ratio <= 0.95),
                 ]
             )
     comms = [
@@ -510,7 +489,7 @@ def summary_section(results: dict[str, Any]) -> str:
                 "communication",
                 "1.00x the lower bound",
                 f"{min(comms):.3f}x - {max(comms):.3f}x",
-                _mark(max(comms) <= 1.0 + 1e-3),
+                mark(max(comms) <= 1.0 + 1e-3),
             ]
         )
     for key, where in (("overhead-2ranks", "gloo"), ("overhead-fake", "fake process group")):
@@ -523,7 +502,7 @@ def summary_section(results: dict[str, Any]) -> str:
                         f"overhead, {t['workload']['name']} ({where})",
                         "<= 1.0x FSDP2",
                         f"{ratio:.2f}x; merged: {best:.2f}x",
-                        _mark(ratio <= 1.0),
+                        mark(ratio <= 1.0),
                     ]
                 )
     compiled = next((v for k, v in sorted(results.items()) if k.startswith("compile-")), None)
@@ -538,14 +517,14 @@ def summary_section(results: dict[str, Any]) -> str:
                     "<= FSDP2 + torch.compile",
                     f"{ours['ratio']:.2f}x FSDP2 eager (FSDP2 + torch.compile: {other}); "
                     f"peak {ours['peak_ratio']:.2f}x",
-                    _mark("ratio" not in theirs or ours["ratio"] <= theirs["ratio"]),
+                    mark("ratio" not in theirs or ours["ratio"] <= theirs["ratio"]),
                 ]
             )
     rows += recompute.summary_rows(results)
     rows += gpu.summary_rows(results)
     if not rows:
         return ""
-    return _table(["", "target", "measured (funcshard / FSDP2)", "met"], rows) + "\n"
+    return table(["", "target", "measured (funcshard / FSDP2)", "met"], rows) + "\n"
 
 
 _FSDP2_COMPILED = "FSDP2 + torch.compile(model)"

@@ -131,8 +131,8 @@ class Bucket:
 
     ``comms``: one per sharded mesh dim, in the order they are gathered (see [Note: order of
     mesh dims]; only the first may be asynchronous); ``replicas``: the replicated mesh dims
-    (HSDP), reduced in the backward; ``local``: every mesh dim has one rank (see [Note: a mesh
-    of one rank gathers nothing] in ``_collectives``)."""
+    (HSDP), reduced in the backward; ``local``: every mesh dim has one rank (see [Note: one rank
+    communicates nothing] in ``_collectives``)."""
 
     index: tuple[int, ...]
     layouts: tuple[Layout, ...]
