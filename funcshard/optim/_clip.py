@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from .. import _updates
 from .._parallel import sub_mesh_problem
 from .._tree import PyTree, flatten, unflatten
 from ._base import GradientTransformation, local, wrap
@@ -66,6 +67,7 @@ def global_norm(tree: PyTree) -> torch.Tensor:
         squares = squares * torch.tensor(weights, device=squares.device)
     total = squares.sum()
     if any(dtensors):
+        _updates.before_collective("global_norm's all-reduce")
         dist.all_reduce(total)
     return total.sqrt()
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .. import _updates
 from .._tree import PyTree, flatten, unflatten
 from ._base import GradientTransformation, local
 
@@ -95,5 +96,6 @@ def all_finite(tree: PyTree) -> bool:
     flags = torch.stack([local(x).isfinite().all() for x in leaves]).all()
     flag = flags.to(torch.int32)
     if any(isinstance(x, DTensor) for x in leaves) and dist.is_initialized():
+        _updates.before_collective("all_finite's all-reduce")
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag)
