@@ -45,16 +45,21 @@ def measure(n: int = 300) -> dict[str, float]:
     fs.unshard(sharded)
     entries = [("w", fs.ShardSpec.of(sharded["w0"]), torch.float32, False)]
     out = {"agree (status exchange)": _median_us(lambda: _consensus.agree("x", entries), n)}
+    record = "chain(clip_by_global_norm(max_norm=1.0), adamw(lr=0.001, ...)) at step 7"
+    with_record = lambda: (_updates._record(record), _consensus.agree("x", entries))
+    out["agree, carrying an optimizer record"] = _median_us(with_record, n)
     out["unshard 8 x [64, 64]"] = _median_us(lambda: fs.unshard(sharded), n)
-    with mock.patch.object(_consensus, "agree", lambda *a, **k: None):
+    world = dist.get_world_size()
+    with mock.patch.object(_consensus, "agree", lambda *a, **k: [None] * world):
         out["unshard, agreement off"] = _median_us(lambda: fs.unshard(sharded), n)
     with fs.checking_collectives():  # debug mode: one more exchange per collective
         out["unshard, debug mode"] = _median_us(lambda: fs.unshard(sharded), n)
     return out
 
 
-def measure_steps(rounds: int = 15, n: int = 20) -> dict[str, float]:
-    """Medians (µs) of a record alone and of whole steps, records on and off, interleaved."""
+def measure_steps(samples: int = 150) -> dict[str, float]:
+    """A record alone, and per step: the store exchanges, their time and the step's time,
+    records on and patched out (medians; the four variants alternate step by step)."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(8)))
@@ -69,24 +74,39 @@ def measure_steps(rounds: int = 15, n: int = 20) -> dict[str, float]:
     opts = {"adamw": adamw, "clip + adamw": clipped}
     states = {k: o.init(sharded) for k, o in opts.items()}
     record = lambda: _updates._record(
-        f"{_updates.describe(opts['clip + adamw'].update.funcshard_update)} at step "
-        f"{_updates._steps(states['adamw'])}"
+        f"{_updates.describe(clipped.update.funcshard_update)} at step "
+        f"{_updates._steps(states['clip + adamw'])}"
     )
     out = {"a record (describe, cached; step counts)": _median_us(record, 300)}
     _updates.taken()  # drop the records made here
-    times: dict[str, list[float]] = {}
-    for _ in range(rounds):
-        for name, opt in opts.items():
-            for on in (True, False):
-                patch = mock.patch.object(_updates, "_shared", lambda g: False)
-                with contextlib.nullcontext() if on else patch:
-                    def step(opt=opt, name=name):
-                        nonlocal sharded
+    exchange, spent = _consensus._exchange, []
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return exchange(*args, **kwargs)
+        finally:
+            spent.append(time.perf_counter() - start)
+
+    found: dict[str, list[tuple[float, float, int]]] = {}
+    with mock.patch.object(_consensus, "_exchange", timed):
+        for _ in range(samples):
+            for name, opt in opts.items():
+                for on in (True, False):
+                    off = mock.patch.object(_updates, "_shared", lambda g: False)
+                    with contextlib.nullcontext() if on else off:
+                        dist.barrier()
+                        spent.clear()
+                        start = time.perf_counter()
                         _, g = vg(sharded, x, y)
                         sharded, states[name] = fs.optim.step(opt, sharded, g, states[name])
-                    key = f"step, {name}, records {'on' if on else 'off'}"
-                    times.setdefault(key, []).append(_median_us(step, n))
-    out.update({k: statistics.median(v) for k, v in times.items()})
+                        took = time.perf_counter() - start
+                    key = f"{name}, records {'on' if on else 'off'}"
+                    found.setdefault(key, []).append((took, sum(spent), len(spent)))
+    for key, rows in found.items():
+        out[f"step, {key}"] = statistics.median(r[0] for r in rows) * 1e6
+        out[f"exchanges per step, {key}"] = statistics.median(r[2] for r in rows)
+        out[f"exchange time per step, {key}"] = statistics.median(r[1] for r in rows) * 1e6
     return out
 
 

@@ -17,8 +17,11 @@ carries every record left since the previous one, in the status that exchange pu
   difference is caught there, before that call's first collective;
 - an optimizer that communicates (``clip_by_global_norm``, ``apply_if_finite``, Muon's
   exchange) checks its record right before its first collective, through the same exchange,
-  so a rank whose chain has no such collective meets it with its next call's check and both
-  raise, instead of one waiting in the all-reduce until the timeout;
+  so a rank whose chain has no such collective, or that skipped its step, meets it with its
+  next call's check and both raise, instead of one waiting in the all-reduce until the
+  timeout. That is one more exchange per step (BENCHMARKS.md section 11), and it cannot ride
+  an earlier one: a chain announced at the previous check does not say that every rank will
+  take this step;
 - a rank that skipped its step (or took one more) publishes fewer (or more) records, or a
   step count that differs: an error on every rank at the next check, naming the ranks' steps.
 
