@@ -59,9 +59,10 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _parallel, _updates
+from . import _parallel
 from ._compile import untraced
 from ._spec import ShardSpec
+from ._updates import by_rank, differences, taken
 
 Leaf = tuple[str, ShardSpec, torch.dtype, bool]
 _DIGESTS: collections.OrderedDict[tuple, int] = collections.OrderedDict()
@@ -109,7 +110,7 @@ def agree(
 
 
 def _agree(fn, leaves, options, error, digest, count) -> list[float | None]:
-    updates, updated = _updates.taken()  # see [Note: the optimizer rides the next check]
+    updates, updated = taken()  # see [Note: the optimizer rides the next check]
     with untraced():  # under torch.compile: checked at trace time, never part of the graph
         if error is not None:
             status = _ERROR + pickle.dumps((type(error).__name__, str(error)))
@@ -322,9 +323,9 @@ def _gone(store: dist.Store, rank: int) -> str | None:
 
 def _message(fn: str, everyone: list[list[tuple[str, str]]]) -> str:
     calls = [dict(entries).get("<call>", fn) for entries in everyone]
-    doing = f" (the ranks are at different calls: {_updates.by_rank(calls)})"
+    doing = f" (the ranks are at different calls: {by_rank(calls)})"
     doing = doing if len(set(calls)) > 1 else ""
-    optimizer = _updates.message(everyone)  # see [Note: the optimizer rides the next check]
+    optimizer = differences(everyone)  # see [Note: the optimizer rides the next check]
     if optimizer is not None:
         return f"{fn}: {optimizer}{doing}"
     everyone = [[(p, v) for p, v in entries if p != "<call>"] for entries in everyone]

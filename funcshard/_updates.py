@@ -109,7 +109,7 @@ def taken() -> tuple[str, list[tuple[str, str]]]:
     return digest, out
 
 
-def message(everyone: list[list[tuple[str, str]]]) -> str | None:
+def differences(everyone: list[list[tuple[str, str]]]) -> str | None:
     """What differs in the ranks' optimizer records (``everyone``: each rank's described
     entries), or ``None`` if they are the same."""
     mine = [[(p, v) for p, v in entries if p.startswith(_ENTRY)] for entries in everyone]

@@ -20,9 +20,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .. import _updates
 from .._parallel import sub_mesh_problem
 from .._tree import PyTree, flatten, unflatten
+from .._updates import before_collective
 from ._base import GradientTransformation, local, wrap
 
 
@@ -57,6 +57,8 @@ def global_norm(tree: PyTree) -> torch.Tensor:
             f"global_norm: {plain!r} is a plain tensor in a tree of DTensors, so it is unclear "
             "whether it is the same on every rank; shard every leaf (fs.shard) or none."
         )
+    if any(dtensors):  # see [Note: the optimizer rides the next check] in _updates
+        before_collective("global_norm's all-reduce")
     if not leaves:
         return torch.zeros(())
     locals_ = [local(x) for x in leaves]
@@ -67,7 +69,6 @@ def global_norm(tree: PyTree) -> torch.Tensor:
         squares = squares * torch.tensor(weights, device=squares.device)
     total = squares.sum()
     if any(dtensors):
-        _updates.before_collective("global_norm's all-reduce")
         dist.all_reduce(total)
     return total.sqrt()
 

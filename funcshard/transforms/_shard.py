@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -10,7 +9,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from .. import _consensus, _debug
 from .._parallel import (
     check_composable,
     check_model_placements,
@@ -22,12 +20,14 @@ from .._parallel import (
     sub_mesh_problem,
 )
 from .._spec import ShardSpec, check_mesh, check_storage_placements
-from .._tree import PyTree, flatten, map_with_path
+from .._tree import PyTree, map_with_path
+from .._values import checked
 
 Placements = Placement | Sequence[Placement]
 PlacementFn = Callable[[str, torch.Tensor], "Placements | None"]
 
 
+@checked  # in debug mode, the ranks' values compared: see [Note: the same initial values]
 def shard(
     params: PyTree,
     mesh: DeviceMesh,
@@ -65,37 +65,10 @@ def shard(
             leaf is already sharded over ``mesh``; a TP DTensor's mesh is not a sub-mesh of the
             same root as ``mesh``, or its placements are not ``Shard``/``Replicate``; a placement
             is not ``Shard``/``Replicate``, is out of range, or shards a 0-d tensor; a tensor is
-            on another device type than the mesh.
+            on another device type than the mesh; in debug mode (``FUNCSHARD_DEBUG=1``), on
+            every rank, the ranks passed different values (see [Note: the same initial values]).
         TypeError: a leaf is not a tensor.
     """
-    if not _debug.enabled():
-        return _shard(params, mesh, placements)
-    with _consensus.failing("shard (FUNCSHARD_DEBUG)"):  # see [Note: the same initial values]
-        out = _shard(params, mesh, placements)
-        _consensus.agree("shard (FUNCSHARD_DEBUG: the full tensors' values)", (), _values(params))
-    return out
-
-
-def _values(params: PyTree) -> tuple[tuple[str, str], ...]:
-    """[Note: the same initial values]
-    ``shard`` keeps this rank's chunk of each full tensor, trusting that every rank holds the
-    same values: a model initialised with another seed on one rank trains a mix of two models,
-    silently. In debug mode (``FUNCSHARD_DEBUG=1``, see ``_debug``) every rank hashes each full
-    tensor's bytes and the ranks compare the hashes through the per-call check (one exchange
-    per ``shard`` call, and a pass over the model's bytes: about 1 GB/s): a difference is a
-    ``ValueError`` on every rank naming the first tensor that differs. Tensors on meta (to be
-    materialised) and DTensors (already parallel) are not compared."""
-    paths, leaves, _ = flatten(params)
-    out = []
-    for path, x in zip(paths, leaves, strict=True):
-        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.device.type != "meta":
-            data = x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-            digest = hashlib.blake2b(data, digest_size=8).hexdigest()
-            out.append((f"values of {path}", f"hash {digest}, sum {float(x.detach().sum()):.6g}"))
-    return tuple(out)
-
-
-def _shard(params: PyTree, mesh: DeviceMesh, placements) -> PyTree:
     _check_group(mesh)
     made: set[int] = set()
 
