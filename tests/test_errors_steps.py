@@ -105,7 +105,7 @@ def training(case: str, steps: int = 3):
     ],
 )  # fmt: skip
 def test_ranks_that_step_differently_raise_on_every_rank(world2, case, step, says):
-    results = world2.run(training, case)
+    results = world2.run(training, case, timeout=90)  # a hang fails here
     for rank, (found, in_step, _) in enumerate(results):
         assert found is not None, f"rank {rank} raised nothing"
         assert found[1] == "ValueError", found
@@ -124,7 +124,7 @@ def test_ranks_that_step_differently_raise_on_every_rank(world2, case, step, say
     ],
 )
 def test_on_4_ranks_the_rank_that_steps_differently_is_named_on_every_rank(world4, case, says):
-    results = world4.run(training, case)
+    results = world4.run(training, case, timeout=90)
     messages = {found[2].split(": ", 1)[1] for found, _, _ in results}
     assert len(messages) == 1, messages  # the same message on every rank
     for found, in_step, _ in results:
