@@ -25,11 +25,15 @@ carries every record left since the previous one, in the status that exchange pu
 - a rank that skipped its step (or took one more) publishes fewer (or more) records, or a
   step count that differs: an error on every rank at the next check, naming the ranks' steps.
 
-An error raised by one rank's update is announced to the others the same way (see
-``failing`` in ``_consensus``). Records are kept per process (the exchange is per process
-too), at most :data:`_KEPT` of them between two checks, and only while a process group of
-more than one rank is initialised. Not under ``torch.compile`` (a compiled step runs the
-update as part of its graph).
+Not detected: a rank that skips a whole iteration (its ``value_and_grad`` call and its step)
+keeps every count equal to the others', and its calls pair with their next ones; nothing that
+funcshard sees differs (only the batches do).
+
+An error raised by one rank's update is announced to the others the same way (see ``failing``
+in ``_consensus``). Records are kept per process (the exchange is per process too), at most
+:data:`_KEPT` of them between two checks, and only while a process group of more than one rank
+is initialised. Not under ``torch.compile`` (a compiled step runs the update as part of its
+graph).
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ _PENDING: list[str] = []  # this process's records since its last check
 _DROPPED = [0]  # records dropped from _PENDING since the last check
 _INSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("funcshard_update", default=False)
 _DESCRIBED: dict[int, tuple[Callable, str]] = {}  # id(update) -> (update, its description)
-_ENTRY = "<optimizer update"  # the prefix of the described entries (see entries)
+_ENTRY = "<optimizer update"  # the prefix of the described entries (see taken)
 
 
 def recorded(fn: Callable, update: Callable) -> Callable:
