@@ -65,15 +65,16 @@ def mode(op: str, name: str = "grad_reduce") -> str:
 
 def empty(tree: Any) -> Count:
     """0.0 if a plain tensor of ``tree`` has a leading dim of 0 (an empty batch), else the
-    leading dim of its first plain tensor (its batch size, as far as it can be told), else
-    None."""
+    leading dim of its first plain tensor (its batch size, as far as it can be told; not under
+    ``torch.compile``, where reading it would specialise a dynamic batch size), else None."""
     first = None
     for x in optree.tree_leaves(tree):
         plain = isinstance(x, torch.Tensor) and not isinstance(x, DTensor | LocalShard)
         if plain and x.dim() >= 1:
             if x.shape[0] == 0:
                 return 0.0
-            first = float(x.shape[0]) if first is None else first
+            if first is None and not compiling():
+                first = float(x.shape[0])
     return first
 
 
