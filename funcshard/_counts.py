@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor
 from . import _consensus
 from ._compile import compiling
 from ._spec import LocalShard
+from ._updates import by_rank
 
 MODES = ("mean", "sum", "weighted")
 Count = float | None  # a count as published: None is "unknown" (not checked, not weighted)
@@ -174,7 +175,7 @@ def _warn_uneven(fn: str, op: str, counts: Sequence[Count]) -> None:
     if op != "mean" or len(set(known)) < 2 or "mean" in _WARNED:
         return
     _WARNED.add("mean")
-    seen = "; ".join(f"rank {r}: {c:g}" for r, c in enumerate(counts) if c is not None)
+    seen = by_rank(["unknown" if c is None else f"{c:g}" for c in counts])
     warnings.warn(
         f"{fn}: grad_reduce='mean' over batches of different sizes ({seen}): each rank's mean "
         f"loss gets the weight 1/{len(counts)}, so the gradient is the mean of the ranks' "
