@@ -6,7 +6,8 @@ values: a model initialised with another seed on one rank trains a mix of two mo
 In debug mode (``FUNCSHARD_DEBUG=1`` or ``fs.checking_collectives()``, see ``_debug``) every rank
 hashes each full tensor's bytes and the ranks compare the hashes through the per-call check
 (see [Note: one status per call] in ``_consensus``): one exchange per ``shard`` call and a pass
-over the model's bytes (a copy to the host for a GPU tensor). A difference is a ``ValueError`` on
+over the model's bytes (blake2b, 0.3 GiB/s of one CPU core's time measured on a loaded 2-core
+host; a copy to the host for a GPU tensor). A difference is a ``ValueError`` on
 every rank naming the first tensor that differs; an error raised by one rank's ``shard`` is
 raised on every rank. Tensors on meta (to be materialised) and DTensors (already parallel) are
 not compared.
