@@ -167,7 +167,7 @@ def _first_difference(texts: list[str]) -> str:
     while start > 0 and (texts[0][start - 1].isidentifier() or texts[0][start - 1] == "."):
         start -= 1
     start = max(start, n - 60, 0)
-    end = n + 60
+    end = n + 100
     cut = lambda t: ("..." if start else "") + t[start:end] + ("..." if len(t) > end else "")
     return by_rank([cut(t) for t in texts])
 
@@ -271,11 +271,15 @@ def _describe(x: Any, depth: int) -> tuple[str, bool]:
             return f"tensor({x.tolist()})", False
         return f"tensor({list(x.shape)}, {x.dtype})", False
     if isinstance(x, functools.partial):
+        keywords = {k: v for k, v in x.keywords.items() if k != "inplace"}  # the donated form
         parts = [_describe(a, depth + 1) for a in x.args]
         parts += [(f"{k}={t}", f) for k, (t, f) in
-                  ((k, _describe(v, depth + 1)) for k, v in x.keywords.items())]  # fmt: skip
+                  ((k, _describe(v, depth + 1)) for k, v in keywords.items())]  # fmt: skip
         name, fixed = _describe(x.func, depth + 1)
-        return f"{name}(" + ", ".join(t for t, _ in parts) + ")", fixed and all(f for _, f in parts)
+        fixed = fixed and all(f for _, f in parts)
+        if name.startswith("_") and len(parts) == 1:  # a private kernel of one record: the record
+            return parts[0][0], fixed
+        return f"{name}(" + ", ".join(t for t, _ in parts) + ")", fixed
     if isinstance(x, types.FunctionType):
         wrapped = getattr(x, "__wrapped__", None)  # a decorated function: what it runs
         return _describe(wrapped, depth) if callable(wrapped) else _function(x, depth)
