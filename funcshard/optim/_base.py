@@ -21,10 +21,10 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import _updates
 from .._compile import traced
 from .._dtensor import placed_like
 from .._tree import PyTree, flatten, flatten_like, unflatten
+from .._updates import recorded
 
 InitFn = Callable[[PyTree], Any]
 UpdateFn = Callable[..., tuple[PyTree, Any]]
@@ -63,7 +63,7 @@ class GradientTransformation(_Fields):
 
 
 def _recorded(fn: UpdateFn, update: UpdateFn) -> UpdateFn:
-    out = traced(_updates.recorded(fn, update))
+    out = traced(recorded(fn, update))
     out.funcshard_update = update  # type: ignore[attr-defined]  # see _updates.describe
     return out
 
