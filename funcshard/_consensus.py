@@ -62,6 +62,7 @@ import torch.distributed as dist
 from . import _parallel
 from ._compile import untraced
 from ._spec import ShardSpec
+from ._updates import by_rank, differences, taken
 
 Leaf = tuple[str, ShardSpec, torch.dtype, bool]
 _DIGESTS: collections.OrderedDict[tuple, int] = collections.OrderedDict()
@@ -109,12 +110,13 @@ def agree(
 
 
 def _agree(fn, leaves, options, error, digest, count) -> list[float | None]:
+    updates, updated = taken()  # see [Note: the optimizer rides the next check]
     with untraced():  # under torch.compile: checked at trace time, never part of the graph
         if error is not None:
             status = _ERROR + pickle.dumps((type(error).__name__, str(error)))
         else:
             status = str(cached_digest(fn, leaves, options) if digest is None else digest)
-            status = f"{status}|{'' if count is None else repr(count)}".encode()
+            status = f"{status}/{updates}|{'' if count is None else repr(count)}".encode()
         everyone = _exchange("status", status)
     failed = [(r, s) for r, s in enumerate(everyone) if s[:1] in (_ERROR, _GONE, _COLLECTIVE)]
     if failed:
@@ -124,7 +126,7 @@ def _agree(fn, leaves, options, error, digest, count) -> list[float | None]:
     digests, counts = zip(*(s.split(b"|", 1) for s in everyone), strict=True)
     if any(d != digests[0] for d in digests):
         with untraced():
-            entries = _describe(leaves, options)
+            entries = [("<call>", fn), *_describe(leaves, options), *updated]
             described = _exchange("entries", pickle.dumps(entries))
         raise ValueError(_message(fn, [pickle.loads(b) for b in described]))
     return [float(c) if c else None for c in counts]
@@ -320,6 +322,13 @@ def _gone(store: dist.Store, rank: int) -> str | None:
 
 
 def _message(fn: str, everyone: list[list[tuple[str, str]]]) -> str:
+    calls = [dict(entries).get("<call>", fn) for entries in everyone]
+    doing = f" (the ranks are at different calls: {by_rank(calls)})"
+    doing = doing if len(set(calls)) > 1 else ""
+    optimizer = differences(everyone)  # see [Note: the optimizer rides the next check]
+    if optimizer is not None:
+        return f"{fn}: {optimizer}{doing}"
+    everyone = [[(p, v) for p, v in entries if p != "<call>"] for entries in everyone]
     tables = [dict(entries) for entries in everyone]
     paths = dict.fromkeys(path for entries in everyone for path, _ in entries)
     path = next((p for p in paths if len({t.get(p) for t in tables}) > 1), None)
@@ -328,6 +337,7 @@ def _message(fn: str, everyone: list[list[tuple[str, str]]]) -> str:
     else:
         seen = (t.get(path) or "absent" for t in tables)
         where = f"at {path!r} (" + "; ".join(f"rank {r}: {s}" for r, s in enumerate(seen)) + ")"
+    where += doing
     return (
         f"{fn}: ranks disagree {where}. Every rank must pass the same tree -- the same keys, "
         "shapes, dtypes, placements, frozen parameters and options -- in the same order: build "

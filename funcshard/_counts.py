@@ -10,10 +10,12 @@ rank's averaged gradient the others' scaled by ``(W - k) / W``. So every ``unsha
 
 - ``"mean"``: a rank whose count is 0 is an error on every rank, before any collective of the
   call, naming the rank(s) and the fixes. The count is the ``count=`` given, else 0 when a
-  tensor of the batch has a leading dim of 0 (the arguments of a scheduled ``apply`` and of the
-  enclosing :func:`~funcshard.value_and_grad`), else unknown (nothing is checked). It is only
-  published when the call computes gradients (grad mode on, a leaf that requires grad), so a
-  forward without gradients on an empty batch is fine.
+  tensor of the batch has a leading dim of 0, else the leading dim of the batch's first tensor
+  (the arguments of a scheduled ``apply`` and of the enclosing
+  :func:`~funcshard.value_and_grad`), else unknown (nothing is checked). Ranks whose counts
+  differ get a warning (once per process) pointing to ``"weighted"``: their samples weigh
+  differently. Counts are only published when the call computes gradients (grad mode on, a leaf
+  that requires grad), so a forward without gradients on an empty batch is fine.
 - ``"weighted"``: each rank's reductions are weighted by ``n_r / N`` instead of ``1/W``, ``N``
   the sum of the counts of the ranks the gradient is reduced over (the leaf's data-parallel
   mesh): the gradient of the mean over all ranks' samples, as the unsharded model on the global
@@ -32,6 +34,7 @@ import contextlib
 import contextvars
 import functools
 import math
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -44,11 +47,13 @@ from torch.distributed.tensor import DTensor
 from . import _consensus
 from ._compile import compiling
 from ._spec import LocalShard
+from ._updates import by_rank
 
 MODES = ("mean", "sum", "weighted")
 Count = float | None  # a count as published: None is "unknown" (not checked, not weighted)
 
-# the count inferred from the arguments of the innermost fs.value_and_grad call (0.0 or None)
+_WARNED: set[str] = set()  # warnings given once per process (see _warn_uneven)
+# the count inferred from the arguments of the innermost fs.value_and_grad call
 _BATCH: contextvars.ContextVar[Count] = contextvars.ContextVar("funcshard_batch", default=None)
 
 
@@ -60,12 +65,18 @@ def mode(op: str, name: str = "grad_reduce") -> str:
 
 
 def empty(tree: Any) -> Count:
-    """0.0 if a plain tensor of ``tree`` has a leading dim of 0 (an empty batch), else None."""
+    """0.0 if a plain tensor of ``tree`` has a leading dim of 0 (an empty batch), else the
+    leading dim of its first plain tensor (its batch size, as far as it can be told; not under
+    ``torch.compile``, where reading it would specialise a dynamic batch size), else None."""
+    first = None
     for x in optree.tree_leaves(tree):
         plain = isinstance(x, torch.Tensor) and not isinstance(x, DTensor | LocalShard)
-        if plain and x.dim() >= 1 and x.shape[0] == 0:
-            return 0.0
-    return None
+        if plain and x.dim() >= 1:
+            if x.shape[0] == 0:
+                return 0.0
+            if first is None and not compiling():
+                first = float(x.shape[0])
+    return first
 
 
 @contextlib.contextmanager
@@ -155,6 +166,25 @@ def check(fn: str, op: str, counts: Sequence[Count]) -> None:
     if error is not None:
         error._funcshard_agreed = True  # type: ignore[attr-defined]  # every rank raises it
         raise error
+    _warn_uneven(fn, op, counts)
+
+
+def _warn_uneven(fn: str, op: str, counts: Sequence[Count]) -> None:
+    """Warn (once per process) when ranks average over different counts under ``"mean"``."""
+    known = [c for c in counts if c is not None]
+    if op != "mean" or len(set(known)) < 2 or "mean" in _WARNED:
+        return
+    _WARNED.add("mean")
+    seen = by_rank(["unknown" if c is None else f"{c:g}" for c in counts])
+    warnings.warn(
+        f"{fn}: grad_reduce='mean' over batches of different sizes ({seen}): each rank's mean "
+        f"loss gets the weight 1/{len(counts)}, so the gradient is the mean of the ranks' "
+        "means, not the mean over the global batch (a sample of a smaller batch weighs more). "
+        "Use grad_reduce='weighted' with count=<samples or tokens> for the global-batch mean, "
+        "or equal batches (drop_last=True). Warned once per process (docs/failures.md).",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def _error(fn: str, op: str, counts: Sequence[Count]) -> Exception | None:

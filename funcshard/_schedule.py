@@ -286,7 +286,7 @@ def _static(plan: Plan, names, locals_, specs, opts: _flat.Options, mode: Mode, 
     )
     check_materialized(names, locals_, "schedule")
     entries = [leaf(p, spec, t) for p, spec, t in zip(names, specs, locals_, strict=True)]
-    agreement = (entries, (*opts.key(), ("plan", plan)))
+    agreement = (entries, (*opts.key(), *_agreed(plan)))
     agreement = (*agreement, None, cached_digest("schedule", *agreement))
     counts = _counts.agree("schedule", opts.grad_reduce, count, locals_, *agreement)
     names_grad = {p: t.requires_grad for p, t in zip(names, locals_, strict=True)}
@@ -311,6 +311,20 @@ def _static(plan: Plan, names, locals_, specs, opts: _flat.Options, mode: Mode, 
             _STATIC.popitem(last=False)
         _STATIC[key] = static
     return static, counts
+
+
+def _agreed(plan: Plan) -> tuple[tuple[str, str], ...]:
+    """The plan as the ranks compare it (see ``_consensus``): one entry per group, so that a
+    plan grouped differently on one rank is named by its first differing group."""
+    groups = tuple(
+        (f"plan group {g.name or '<root>'}", f"params {list(g.params)}, reshard_after_forward="
+         f"{g.reshard_after_forward}, param_dtype={g.param_dtype}, reduce_dtype="
+         f"{g.reduce_dtype}, recompute={g.recompute}")
+        for g in plan.groups
+    )  # fmt: skip
+    order = f"{list(plan.order)}, backward {list(plan.backward_order or ())}"
+    prefetch = f"{plan.prefetch}, backward {plan.backward_prefetch}"
+    return (*groups, ("plan order", order), ("plan prefetch", prefetch))
 
 
 def _storage(t: torch.Tensor) -> int | None:

@@ -81,7 +81,12 @@ def disagreeing_plans():
     plan = fs.plan(model, fs.policy.by_type(nn.Linear), prefetch=rank)
     apply = fs.schedule(model, plan)
     x = torch.ones(2, 4)
-    return raises(lambda: apply(sharded, x), ValueError, "ranks disagree", "'<plan>'")
+    return raises(
+        lambda: apply(sharded, x),
+        ValueError,
+        "ranks disagree",
+        "'<plan prefetch>' (rank 0: '0, backward 1'",
+    )
 
 
 def test_ranks_with_different_plans_get_an_error(world2):

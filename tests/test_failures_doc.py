@@ -82,7 +82,16 @@ INDIRECT = {
         "RuntimeError",
         ["was created inside a function", "under torch compile needs torch"],
     ),
-    "_consensus.py::_agree": ("ValueError", ["ranks disagree", "raised on every rank"]),
+    "_consensus.py::_agree": (
+        "ValueError",
+        [
+            "ranks disagree",
+            "raised on every rank",
+            "the ranks run different optimizers",
+            "different numbers of optimizer updates",
+            "optimizer states are at different steps",
+        ],
+    ),
     "_plan.py::_recompute_names": ("ValueError", ["cannot recompute its forward"]),
     "_plan.py::_validate": ("ValueError", ["cannot recompute its forward"]),  # _ROOT_RECOMPUTES
     "testing/_pool.py::Pool._results": ("RankError", ["failed on rank", "did not finish"]),

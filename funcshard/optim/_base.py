@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from .._compile import traced
 from .._dtensor import placed_like
 from .._tree import PyTree, flatten, flatten_like, unflatten
+from .._updates import recorded
 
 InitFn = Callable[[PyTree], Any]
 UpdateFn = Callable[..., tuple[PyTree, Any]]
@@ -47,16 +48,24 @@ class GradientTransformation(_Fields):
       ``state`` and ``params``, and returns ``None`` for leaves it has already applied to
       ``params``. See [Note: pure and donated updates].
 
-    ``update`` and ``update_inplace`` are stored as given, marked to be traced as a whole by
+    ``update`` and ``update_inplace`` are stored marked to be traced as a whole by
     ``torch.compile`` (see [Note: funcshard under torch.compile]); outside it they are the same
-    calls.
+    calls, which, on sharded gradients of a multi-rank run, also leave a record of the
+    transformation and its step for the ranks' next check (see [Note: the optimizer rides the
+    next check] in ``_updates``).
     """
 
     __slots__ = ()
 
     def __new__(cls, init: InitFn, update: UpdateFn, update_inplace: UpdateFn | None = None):
-        inplace = None if update_inplace is None else traced(update_inplace)
-        return super().__new__(cls, init, traced(update), inplace)
+        inplace = None if update_inplace is None else _recorded(update_inplace, update)
+        return super().__new__(cls, init, _recorded(update, update), inplace)
+
+
+def _recorded(fn: UpdateFn, update: UpdateFn) -> UpdateFn:
+    out = traced(recorded(fn, update))
+    out.funcshard_update = update  # type: ignore[attr-defined]  # see _updates.describe
+    return out
 
 
 class EmptyState(NamedTuple):

@@ -22,6 +22,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from .._parallel import sub_mesh_problem
 from .._tree import PyTree, flatten, unflatten
+from .._updates import before_collective
 from ._base import GradientTransformation, local, wrap
 
 
@@ -56,6 +57,8 @@ def global_norm(tree: PyTree) -> torch.Tensor:
             f"global_norm: {plain!r} is a plain tensor in a tree of DTensors, so it is unclear "
             "whether it is the same on every rank; shard every leaf (fs.shard) or none."
         )
+    if any(dtensors):  # see [Note: the optimizer rides the next check] in _updates
+        before_collective("global_norm's all-reduce")
     if not leaves:
         return torch.zeros(())
     locals_ = [local(x) for x in leaves]

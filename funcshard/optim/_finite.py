@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .._tree import PyTree, flatten, unflatten
+from .._updates import before_collective
 from ._base import GradientTransformation, local
 
 
@@ -92,6 +93,9 @@ def all_finite(tree: PyTree) -> bool:
     _, leaves, _ = flatten(tree)
     if not leaves:
         return True
+    # the optimizer's records first: see [Note: the optimizer rides the next check] in _updates
+    if dist.is_initialized() and any(isinstance(x, DTensor) for x in leaves):
+        before_collective("all_finite's all-reduce")
     flags = torch.stack([local(x).isfinite().all() for x in leaves]).all()
     flag = flags.to(torch.int32)
     if any(isinstance(x, DTensor) for x in leaves) and dist.is_initialized():

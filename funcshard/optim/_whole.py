@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
 from .._spec import ShardSpec, _level_shapes, chunk
+from .._updates import before_collective
 
 Unit = tuple[int, int | None]  # (leaf index, index in the stacking dim, or None for a 2-D leaf)
 Box = tuple[int, int, int, int]  # (row offset, column offset, rows, columns) in the matrix
@@ -171,6 +172,7 @@ def exchange(
     for _, _, contributors in p.owned:
         for r, box in contributors:
             recv_splits[r] += box[2] * box[3]
+    before_collective("the all-to-all of whole matrices")
     received = _all_to_all(send, send_splits, recv_splits, dtype, device)
     wholes = _assemble(p, received, recv_splits, dtype, device)
     results = {u: fn(u, w) for u, w in wholes.items()}

@@ -21,11 +21,13 @@ from .._parallel import (
 )
 from .._spec import ShardSpec, check_mesh, check_storage_placements
 from .._tree import PyTree, map_with_path
+from .._values import checked
 
 Placements = Placement | Sequence[Placement]
 PlacementFn = Callable[[str, torch.Tensor], "Placements | None"]
 
 
+@checked  # in debug mode, the ranks' values compared: see [Note: the same initial values]
 def shard(
     params: PyTree,
     mesh: DeviceMesh,
@@ -63,7 +65,8 @@ def shard(
             leaf is already sharded over ``mesh``; a TP DTensor's mesh is not a sub-mesh of the
             same root as ``mesh``, or its placements are not ``Shard``/``Replicate``; a placement
             is not ``Shard``/``Replicate``, is out of range, or shards a 0-d tensor; a tensor is
-            on another device type than the mesh.
+            on another device type than the mesh; in debug mode (``FUNCSHARD_DEBUG=1``), on
+            every rank, the ranks passed different values (see [Note: the same initial values]).
         TypeError: a leaf is not a tensor.
     """
     _check_group(mesh)
