@@ -1,4 +1,4 @@
-"""Part ``compile`` (issue 9): FSDP2 eager, FSDP2 + ``torch.compile(model)``, funcshard eager,
+"""Part ``compile``: FSDP2 eager, FSDP2 + ``torch.compile(model)``, funcshard eager,
 funcshard's whole training step compiled over ``fs.schedule`` and over ``fs.unshard`` -- the
 same training step (forward, backward, AdamW) of the same model on the same data, inductor (the
 default backend; on CPU it compiles C++; ``--quick``: ``aot_eager``, which generates no code).

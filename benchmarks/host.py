@@ -153,6 +153,16 @@ def funcshard(layers: int, mesh):
 FRAMEWORKS = {"plain torch": plain, "FSDP2": fsdp2, "funcshard": funcshard}
 
 
+def aten_calls(step, tokens) -> int:
+    """The ATen operations one call of ``step(tokens)`` dispatches (the profiler's ``aten::``
+    events, nested ones included): what the host does per step, independent of its speed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(tokens)
+    return sum(e.name.startswith("aten::") for e in prof.events())
+
+
 def measure(mesh, depths=(4, 16), rounds: int = 30, warmup: int = 5) -> dict[str, Any]:
     """Median wall and thread-CPU ms per step for each framework and depth, alternating."""
     tokens = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
@@ -180,6 +190,10 @@ def measure(mesh, depths=(4, 16), rounds: int = 30, warmup: int = 5) -> dict[str
             "ms_per_block": (med[hi] - med[lo]) / (hi - lo),
             "cpu_ms_per_block": (cmed[hi] - cmed[lo]) / (hi - lo),
         }
+    for name in FRAMEWORKS:  # the deterministic part: operations the host dispatches
+        calls = {d: aten_calls(steps[(name, d)], tokens) for d in depths}
+        rows[name]["aten_calls_per_step"] = calls
+        rows[name]["aten_calls_per_block"] = (calls[hi] - calls[lo]) / (hi - lo)
     for row in rows.values():
         row["per_block_vs_fsdp2"] = row["ms_per_block"] / rows["FSDP2"]["ms_per_block"]
         row["per_block_vs_plain"] = row["ms_per_block"] / rows["plain torch"]["ms_per_block"]
@@ -210,10 +224,12 @@ def main() -> None:
             dist.destroy_process_group()
     result["world"] = args.world
     result["machine"] = harness.machine(torch.device("cpu"))
-    print(f"{'':14}{'ms/block':>10}{'cpu ms/block':>14}{'x FSDP2':>9}{'x plain':>9}")
+    print(f"{'':14}{'ms/block':>10}{'cpu ms/block':>14}{'x FSDP2':>9}{'x plain':>9}"
+          f"{'aten calls/block':>18}")  # fmt: skip
     for name, row in result["rows"].items():
         print(f"{name:14}{row['ms_per_block']:10.3f}{row['cpu_ms_per_block']:14.3f}"
-              f"{row['per_block_vs_fsdp2']:9.2f}{row['per_block_vs_plain']:9.2f}")  # fmt: skip
+              f"{row['per_block_vs_fsdp2']:9.2f}{row['per_block_vs_plain']:9.2f}"
+              f"{row['aten_calls_per_block']:18.0f}")  # fmt: skip
     if not args.quick:
         harness.write("host" if args.world == 1 else f"host-fake{args.world}", result)
 

@@ -6,7 +6,7 @@ The main job's transformer, at its benchmark batch (2 sequences of 64 per rank, 
 gradients and optimizer state dominate) and at 16 sequences per rank (activations dominate).
 Step times are timed in turn as in part ``step`` (see [Note: fair timing] in ``harness``); peaks
 are accounted as in part ``memory`` (the median of three accounted steps). Ratios are to
-FSDP2 + ``checkpoint_wrapper``; the target (issue 16): funcshard with recompute peaks at most at
+FSDP2 + ``checkpoint_wrapper``; the target: funcshard with recompute peaks at most at
 FSDP2 + activation checkpointing's peak, at no more step time.
 """
 

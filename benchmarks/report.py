@@ -440,7 +440,7 @@ def compile_section(results: dict[str, Any]) -> str:
 
 
 def summary_section(results: dict[str, Any]) -> str:
-    """The targets of issue 10 against the headline numbers (reported, never asserted)."""
+    """The suite's targets against the headline numbers (reported, never asserted)."""
     rows = []
     steps = [
         (r["world"], row)

@@ -11,7 +11,7 @@ regenerates the tables and plots of ``BENCHMARKS.md`` from them (``--quick`` wri
 ``BENCHMARKS.md`` into its results folder and leaves the repository's alone).
 
 ``--device cuda`` runs the same parts with NCCL, one rank per GPU (``--ranks`` at most the
-GPU count). Part ``gpu`` (issue 17's step on one GPU, ``gpu.py``) runs only when ``--only``
+GPU count). Part ``gpu`` (the training step on one GPU, ``gpu.py``) runs only when ``--only``
 names it, in a process of its own (one rank; ``--device cpu --quick``: a tiny model on gloo).
 """
 

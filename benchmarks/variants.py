@@ -10,7 +10,7 @@ default kernel choice, or the fused kernels with ``Options.fused``). ``plain`` i
 model unsharded (bf16 through ``torch.autocast``): the floor. Adding a variant is one function
 here and one line in ``VARIANTS``.
 
-The compiled variants (part ``compile``, issue 9) compile with ``Options.compile_backend``
+The compiled variants (part ``compile``) compile with ``Options.compile_backend``
 (inductor, the default) through a ``CompileCounterWithBackend`` kept in ``Trainer.counter``
 (graphs and recompilations): FSDP2 +
 ``torch.compile(model)``, or each group module compiled before ``fully_shard`` (torchtitan's
@@ -18,7 +18,7 @@ order; ``fsdp2 + compile per block``), the optimizer step eager; funcshard's who
 (``fs.value_and_grad`` + ``fs.optim.step``, constant learning rate) under
 ``torch.compile(fullgraph=True)``, over ``fs.schedule``'s ``apply`` or over ``fs.unshard`` of
 the whole tree (docs/compile.md, "The recommended pattern"). ``cuda_graph(variant)`` runs a
-variant's whole step as one captured CUDA graph (``Graphed``; part ``gpu``, issue 17).
+variant's whole step as one captured CUDA graph (``Graphed``; part ``gpu``).
 """
 
 from __future__ import annotations

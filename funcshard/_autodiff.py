@@ -243,7 +243,8 @@ def _fresh_leaf(x, differentiated: bool, direct: dict | None = None):
     With ``direct`` (plain autograd), a DTensor's local shard gets a leaf of its own too,
     recorded in ``direct``: see [Note: differentiating the local shards]."""
     if direct is not None and type(x) is DTensor:
-        local = x._local_tensor.detach()
+        local = x._local_tensor
+        local = local.detach() if local.requires_grad else local  # a wrapper, not a view
         dt = DTensor(local, x._spec, requires_grad=differentiated)
         direct[id(dt)] = (dt, local.detach().requires_grad_(differentiated))
         return dt
@@ -293,7 +294,7 @@ def _grads(value, inputs, leaves, direct, into=None) -> list[Any]:
         if id(x) in direct:
             local = direct[id(x)][1]
             g = torch.zeros_like(local) if g is None else g
-            g = DTensor(g.detach(), x._spec, requires_grad=False)
+            g = DTensor(g.detach() if g.requires_grad else g, x._spec, requires_grad=False)
             via_dtensor = next(also)
             if via_dtensor is not None:  # fn used the DTensor itself too
                 g = g + via_dtensor

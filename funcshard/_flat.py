@@ -301,6 +301,14 @@ def _finish_level(level: _Level, into: Sequence[torch.Tensor] | None = None):
         chunks = tuple(tuple(p.shape) for p in level.pieces)
         copies = _opaque.Copies(level.comm.world, chunks, tuple(level.dims), tuple(level.sizes))
         return list(_opaque.CopyOut.apply(buffer, copies))
+    if gathered is not None and not any(level.dims):  # see [Note: one copy-out per bucket]
+        chunks = tuple(tuple(p.shape) for p in level.pieces)
+        if into is None:
+            out = list(_CopyOut.apply(buffer, level.comm.world, chunks, tuple(level.sizes)))
+        else:
+            out = _refill_rows(into, buffer.view(level.comm.world, -1), chunks)
+        _release([buffer], keep=())
+        return out
     rows = buffer.view(level.comm.world, -1)
     shapes = [tuple(p.shape) for p in level.pieces]
     out = []
@@ -320,6 +328,66 @@ def _finish_level(level: _Level, into: Sequence[torch.Tensor] | None = None):
     if gathered is not None:
         _release([buffer], keep=out)
     return out
+
+
+class _CopyOut(C._Function):
+    """The full tensors of an all-gather's output ``[W * S]`` of pieces sharded on dim 0: views
+    of one new buffer, filled by one ``split_with_sizes_copy``; backward: one concatenation.
+
+    [Note: one copy-out per bucket]
+    Copied out tensor by tensor (a split, a view, a reshape that copies, a narrow for padding),
+    each full tensor costs several operations in forward and as many autograd nodes in
+    backward, per parameter and per step: on a GPU, where the step waits for the host, that
+    was most of the difference between funcshard's and FSDP2's host time at several ranks. For
+    the common layout (every piece sharded on dim 0, so that each full tensor is its rows of the
+    rank-major buffer, one after the other) the copy-out is one operation into one buffer and
+    one node whose backward concatenates the gradients back into the rank-major layout the
+    reduce-scatter takes. The full tensors share the buffer's storage: the scheduler frees and
+    refills it once per bucket (its storages are found by address). Other layouts, ``torch.func``
+    transforms and ``torch.compile`` take the general path (the latter ``_opaque.CopyOut``).
+    """
+
+    @staticmethod
+    def forward(buffer: torch.Tensor, world: int, chunks, sizes):
+        numels = [math.prod(c) for c in chunks]
+        flat = buffer.new_empty(world * sum(numels))
+        padded = flat.split([world * n for n in numels])
+        rows = [p.view(world, n) for p, n in zip(padded, numels, strict=True)]
+        torch.split_with_sizes_copy(buffer.view(world, -1), numels, dim=1, out=rows)
+        fulls = []
+        for p, c, n in zip(padded, chunks, sizes, strict=True):
+            full = p.view(world * c[0], *c[1:])
+            fulls.append(full if n == full.shape[0] else full.narrow(0, 0, n))
+        return tuple(fulls)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.world, ctx.chunks, _ = inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        world, rows = ctx.world, []
+        for g, c in zip(grads, ctx.chunks, strict=True):
+            padded = world * c[0]
+            if g.shape[0] != padded:  # zeros where the gather padded
+                g = torch.cat([g, g.new_zeros(padded - g.shape[0], *c[1:])])
+            n = math.prod(c)
+            rows.append(g.view(world, n) if g.is_contiguous() else g.reshape(world, n))
+        return torch.cat(rows, dim=1).view(-1), None, None, None
+
+
+def _refill_rows(targets: Sequence[torch.Tensor], rows: torch.Tensor, chunks) -> list:
+    """Refill ``targets`` (:class:`_CopyOut`'s results, whose storage was freed) from a gathered
+    ``[W, S]`` buffer with one copy, keeping their version counters: the rows of each target's
+    padded full tensor are a strided view of its storage, also where its own view is narrowed."""
+    world, numels = rows.shape[0], [math.prod(c) for c in chunks]
+    views = [  # called under no_grad: the views record no history
+        t.as_strided((world, n), (n, 1), t.storage_offset())
+        for t, n in zip(targets, numels, strict=True)
+    ]
+    with torch.autograd._unsafe_preserve_version_counter(tuple(targets)):
+        torch.split_with_sizes_copy(rows, numels, dim=1, out=views)
+    return list(targets)
 
 
 def _refill(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -414,7 +482,8 @@ def arm(tensors: Sequence[torch.Tensor], lowered: Lowered) -> list[torch.Tensor]
     the all-gather reads the gradient (only pads, concatenations and views), which is why the
     cast comes first. A local group has nothing pending: no wait node.
     """
-    cast = [x.to(d) for x, d in zip(tensors, lowered.flat_dtypes, strict=True)]
+    dtypes = lowered.flat_dtypes
+    cast = [x if x.dtype == d else x.to(d) for x, d in zip(tensors, dtypes, strict=True)]
     if not lowered.mode.asynchronous or lowered.local or not torch.is_grad_enabled():
         return cast
     return list(C.Notify.apply(C.waiting(lowered.opts.label), *cast))
@@ -489,7 +558,7 @@ def finish(inflight: Inflight, into: Sequence[torch.Tensor] | None = None) -> li
         elif targets is not None:
             fulls = [_refill(t, f) for t, f in zip(targets, fulls, strict=True)]
         for i, full in zip(b.index, fulls, strict=True):
-            out[i] = full.to(b.out_dtype)
+            out[i] = full if full.dtype == b.out_dtype else full.to(b.out_dtype)
     return out  # type: ignore[return-value]
 
 

@@ -1,9 +1,11 @@
 """Grouping policies and ``group``: which parameters are gathered together.
 
 Policies decide, as FSDP1's auto-wrap policies do, which modules become groups.
-``group`` then assigns parameters to groups with the seed's rules: every non-ignored parameter
-exactly once; a parameter reachable from several groups goes to the first group in depth-first
-``.modules()`` order; the root is always a group; groups come in depth-first order.
+``group`` then assigns parameters to groups with FSDP1's rules
+(``_get_fully_sharded_module_to_states`` in torch 2.0's ``fsdp/_wrap_utils.py``): every
+non-ignored parameter exactly once; a parameter reachable from several groups goes to the first
+group in depth-first ``.modules()`` order; the root is always a group; groups come in depth-first
+order.
 """
 
 from __future__ import annotations

@@ -237,6 +237,17 @@ def test_host_part_runs_quick():
     assert rows == ["plain", "FSDP2", "funcshard"]
 
 
+def test_host_counts_the_operations_a_step_dispatches():
+    """benchmarks/host.py's call count: the ATen operations of one step, nested ones included
+    (a hand count: an add of two tensors, and a cast that copies: to -> _to_copy ->
+    empty_strided + copy_)."""
+    from benchmarks.host import aten_calls
+
+    x = torch.ones(3)
+    assert aten_calls(lambda t: t + t, x) == 1
+    assert aten_calls(lambda t: t.to(torch.float64), x) == 4
+
+
 def _parallel2d(out):
     from benchmarks import parallel2d
 

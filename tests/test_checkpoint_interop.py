@@ -63,7 +63,7 @@ def export_to_fresh_modules(directory: str, mesh_shape, pl) -> list:
     fresh = make(seed=1)  # another initialisation
     fresh.load_state_dict(sd)  # strict
     checks.append(equal(fresh) and fresh.head.weight is fresh.embed.weight)
-    # the trap: to_empty unties, the alias must be in the state dict (strict catches it)
+    # the trap: to_empty unties, the alias must be in the state dict (strict catches it)
     empty = copy.deepcopy(meta).to_empty(device="cpu")
     empty.load_state_dict(sd)
     checks.append(equal(empty))

@@ -1,4 +1,4 @@
-"""Ranks that average over different counts (issue 18, item 5): an empty batch under
+"""Ranks that average over different counts: an empty batch under
 ``grad_reduce="mean"`` is an error on every rank in the same call (and the ranks stay in step);
 ``grad_reduce="weighted"`` gives the gradient of the mean over the global batch, checked against
 the unsharded model on the concatenated batches (uneven, one empty), through ``unshard``,

@@ -1,7 +1,7 @@
 """``group`` and the policies, against FSDP1's own wrapping code run with a recording wrapper.
 
 The reference is torch's ``torch.distributed.fsdp.wrap._recursive_wrap`` (which modules FSDP1
-wraps) followed by the assignment of seed ``000``'s ``_get_fully_sharded_module_to_states``
+wraps) followed by the assignment of FSDP1's ``_get_fully_sharded_module_to_states`` (torch 2.0)
 (which parameters each wrapped module owns), re-implemented below. Ignored modules and
 parameters go through FSDP1's ``_get_ignored_modules`` / ``_get_ignored_params``.
 """
@@ -32,7 +32,7 @@ from _mesh import mesh
 from _models import Block, TinyLM
 
 # ---------------------------------------------------------------------------------------------
-# The reference: FSDP1's auto wrap (recording, not wrapping) + the seed's assignment.
+# The reference: FSDP1's auto wrap (recording, not wrapping) + FSDP1's assignment.
 
 
 def fsdp1_groups(module, torch_policy, ignored_modules=(), ignored_params=()):
@@ -54,7 +54,7 @@ def fsdp1_groups(module, torch_policy, ignored_modules=(), ignored_params=()):
 
     wrapped: set[nn.Module] = set()
 
-    def record(m, **kwargs):  # seed's _record_module_wrapper_cls
+    def record(m, **kwargs):  # FSDP1's _record_module_wrapper_cls
         wrapped.add(m)
         return m
 
@@ -64,8 +64,8 @@ def fsdp1_groups(module, torch_policy, ignored_modules=(), ignored_params=()):
 
 
 def _assign(root, wrapped, ignored_params):
-    """Seed 000: DFS from each wrapped module (in .modules() order) not entering other wrapped
-    modules; each parameter goes to the first group that reaches it."""
+    """FSDP1's assignment: DFS from each wrapped module (in .modules() order) not entering other
+    wrapped modules; each parameter goes to the first group that reaches it."""
     fqn = {id(p): n for n, p in root.named_parameters()}  # first name of a tied parameter
     visited = {id(p) for p in ignored_params}
     groups = {}

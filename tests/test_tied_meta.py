@@ -23,7 +23,7 @@ from _models import Block, lm_loss, make, reference_step, tokens
 
 
 class Tied(nn.Module):
-    """The issue's 15 lines: an embedding, a hidden layer, and a head tied to the embedding."""
+    """A user's 15-line model: an embedding, a hidden layer, a head tied to the embedding."""
 
     def __init__(self) -> None:
         super().__init__()
