@@ -21,15 +21,15 @@ fake_variants="plain torch,plain torch, CUDA graph,FSDP2,funcshard,funcshard, CU
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv 2>&1 || true
   $py -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
-  timeout 200 $py -m pytest -q -rfEs -p no:cacheprovider tests/test_cuda.py
+  timeout 150 $py -m pytest -q -rfEs -p no:cacheprovider tests/test_cuda.py
   echo "tests rc=$?"
 } 2>&1 | tee "$out/tests.log"
 
-timeout 200 $py -m benchmarks.gpu "${configs[@]}" --out "$out" "$@" 2>&1 \
+timeout 180 $py -m benchmarks.gpu "${configs[@]}" --out "$out" "$@" 2>&1 \
   | grep -v "^USDT" | tee "$out/bench.log"
 echo "bench rc=${PIPESTATUS[0]}" | tee -a "$out/bench.log"
 
-timeout 150 $py -m benchmarks.gpu "${configs[@]}" --fake-world 8 --variants "$fake_variants" \
+timeout 120 $py -m benchmarks.gpu "${configs[@]}" --fake-world 8 --variants "$fake_variants" \
   --out "$out" "$@" 2>&1 | grep -v "^USDT" | tee "$out/bench_fake8.log"
 echo "bench fake8 rc=${PIPESTATUS[0]}" | tee -a "$out/bench_fake8.log"
 
