@@ -21,7 +21,7 @@ fake_variants="plain torch,plain torch, CUDA graph,FSDP2,funcshard,funcshard, CU
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv 2>&1 || true
   $py -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
-  timeout 150 $py -m pytest -q -rfEs -p no:cacheprovider tests/test_cuda.py
+  timeout 150 $py -m pytest -q -rfEsP -p no:cacheprovider tests/test_cuda.py
   echo "tests rc=$?"
 } 2>&1 | tee "$out/tests.log"
 
