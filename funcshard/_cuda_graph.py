@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _mode
+from ._dtensor import _local as _dtensor_local
 from ._dtensor import placed_like
 from ._tree import flatten, unflatten
 
@@ -53,7 +54,8 @@ _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:
-    return x.to_local() if isinstance(x, DTensor) else x
+    # no to_local(): an aten call per leaf per call would be most of a replayed step's host time
+    return _dtensor_local(x) if isinstance(x, DTensor) else x
 
 
 def _leaf_key(x: Any) -> Any:
@@ -134,6 +136,7 @@ class _Entry:
     calls: int = 0
     donated: frozenset[int] = frozenset()  # input leaf indices the step returns as received
     slots: list[Any] | None = None  # per input leaf: its slot (tensors), or the value
+    local_slots: list[Any] = dataclasses.field(default_factory=list)  # their local tensors
     out: Any = None
     aliased: list[bool] = dataclasses.field(default_factory=list)  # output leaf is a slot
     replay: Callable[[], None] | None = None
@@ -153,6 +156,7 @@ class CudaGraphed:
         self.backend = backend
         self.entries: dict[Any, _Entry] = {}
         self.last: tuple[list[str], Any] | None = None
+        self.seen: tuple[list, list] = ([], [])  # the last call's leaves and their keys
         self.__wrapped__ = step
 
     @property
@@ -161,7 +165,7 @@ class CudaGraphed:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         paths, leaves, spec = flatten((args, kwargs), none_is_leaf=True)
-        key = (spec, tuple(_leaf_key(x) for x in leaves))
+        key = (spec, self._keys(leaves))
         entry = self.entries.get(key)
         if entry is None:
             entry = self._new_entry(key, paths)
@@ -176,14 +180,24 @@ class CudaGraphed:
             return out
         if entry.replay is None:
             self._capture(entry, paths, leaves, spec, backend)
-        for x, slot in zip(leaves, entry.slots, strict=True):
-            if isinstance(x, torch.Tensor) and _local(x).data_ptr() != _local(slot).data_ptr():
-                _local(slot).copy_(_local(x))
+        for x, slot, local in zip(leaves, entry.slots, entry.local_slots, strict=True):
+            if x is not slot and local is not None and _local(x).data_ptr() != local.data_ptr():
+                local.copy_(_local(x))
         entry.replay()
-        outs = flatten(entry.out, none_is_leaf=True)
-        fresh = [x.clone() if isinstance(x, torch.Tensor) and not a else x
-                 for x, a in zip(outs[1], entry.aliased, strict=True)]  # fmt: skip
-        return unflatten(outs[2], fresh)
+        _, outs, out_spec = flatten(entry.out, none_is_leaf=True)
+        fresh = [x.clone() if a is False else x for x, a in zip(outs, entry.aliased, strict=True)]
+        return unflatten(out_spec, fresh)
+
+    def _keys(self, leaves: list) -> tuple:
+        """Each leaf's key; a leaf that is the last call's object keeps its key (the donated
+        trees come back as they were returned: only the batch is new)."""
+        old, old_keys = self.seen
+        same = len(old) == len(leaves)
+        keys = tuple(
+            old_keys[i] if same and x is old[i] else _leaf_key(x) for i, x in enumerate(leaves)
+        )
+        self.seen = (leaves, list(keys))
+        return keys
 
     def _backend(self, leaves: list) -> Any:
         if self.backend is None:
@@ -242,8 +256,10 @@ class CudaGraphed:
             raise RuntimeError(f"cuda_graph: the step cannot be captured: {found}") from e
         ptrs = {_local(s).data_ptr() for s in slots if isinstance(s, torch.Tensor)}
         entry.slots, entry.out, entry.replay = slots, out, replay
+        entry.local_slots = [_local(s) if isinstance(s, torch.Tensor) else None for s in slots]
+        # per output leaf: True (a slot), False (the graph's memory: copied out), None (no tensor)
         entry.aliased = [
-            isinstance(x, torch.Tensor) and _local(x).data_ptr() in ptrs
+            (_local(x).data_ptr() in ptrs) if isinstance(x, torch.Tensor) else None
             for x in flatten(out, none_is_leaf=True)[1]
         ]
 
@@ -303,6 +319,14 @@ class _HostReads(TorchDispatchMode):
                 f"{name} reads a device value on the host (.item(), float(t), bool(t) -- an "
                 "`if` or `while` on a tensor --, .tolist()), which a graph cannot record"
             )
+        if self.device is not None and self.device.type != "cpu":
+            ins = [x for x in flatten((args, kwargs))[1] if isinstance(x, torch.Tensor)]
+            target = kwargs.get("device")
+            to = None if target is None else torch.device(target).type
+            host = [x for x in ins if x.device.type == "cpu" and x.ndim]
+            on_device = any(x.device.type != "cpu" for x in ins)
+            if (host and (on_device or to not in (None, "cpu"))) or (on_device and to == "cpu"):
+                self._mixed(name, host[0] if host else ins[0])
         out = func(*args, **kwargs)
         if self.device is not None and self.device.type != "cpu":
             ins = [x for x in flatten((args, kwargs))[1] if isinstance(x, torch.Tensor)]
@@ -313,13 +337,15 @@ class _HostReads(TorchDispatchMode):
             host = [x for x in ins if x.device.type == "cpu" and x.ndim]
             host += [x for x in outs if x.device.type == "cpu"] if on_device else []
             if host and (on_device or any(x.device.type != "cpu" for x in outs)):
-                self._refuse(
-                    f"{name} uses a CPU tensor ({list(host[0].shape)} {host[0].dtype}) with "
-                    f"tensors on {self.device}: a copy between host and device, or a CPU value "
-                    "that every replay would reuse as captured. Make it on the device, or pass "
-                    "it as a Python number"
-                )
+                self._mixed(name, host[0])
         return out
+
+    def _mixed(self, name: str, x: torch.Tensor) -> None:
+        self._refuse(
+            f"{name} uses a CPU tensor ({list(x.shape)} {x.dtype}) with tensors on "
+            f"{self.device}: a copy between host and device, or a CPU value that every replay "
+            "would reuse as captured. Make it on the device, or pass it as a Python number"
+        )
 
     def _refuse(self, what: str) -> None:
         self.found = f"{what}, at {_where()}."

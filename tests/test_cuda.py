@@ -75,7 +75,7 @@ def test_adamw_on_the_device_is_torch_bit_for_bit(kind, scheduled):
     float32 device tensor set to the schedule's value at each step, as the counts on the device
     compute it)."""
     dev = torch.device("cuda")
-    shapes = {"w": (64, 32), "b": (32,), "e": (100, 16)}
+    shapes = {"b": (32,), "e": (100, 16), "w": (64, 32)}  # sorted: the trees' order
     gen = torch.Generator(device=dev).manual_seed(0)
     params = {k: torch.randn(s, device=dev, generator=gen) for k, s in shapes.items()}
     schedule = fs.optim.warmup_cosine_decay_schedule(0.0, 1e-2, 5, 60)
@@ -119,7 +119,8 @@ def test_a_state_with_host_counts_moves_to_the_device():
         if i == 4:
             saved = topt.state_dict()
             topt = torch.optim.AdamW(ref, lr=1e-2, fused=True)
-            topt.load_state_dict(saved)
+            topt.load_state_dict(saved)  # which restores the saved group's fused=None too
+            topt.param_groups[0]["fused"] = True
         ref[0].grad = g.clone()
         topt.step()
         ours, state = fs.optim.step(host if i < 4 else fused, ours, {"w": g.clone()}, state)

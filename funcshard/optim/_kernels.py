@@ -339,7 +339,8 @@ def _adam_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
             [local(nu[i]) for i in idx],
         )
         leaf_steps = [steps[i] for i in idx]  # incremented by the kernel
-        if isinstance(count, torch.Tensor):  # see [Note: the optimizer in a compiled step]
+        if not on_device and isinstance(count, torch.Tensor):  # compiled: see [Note: the
+            # optimizer in a compiled step]
             kw = dict(lr=lr, weight_decay=weight_decay, foreach=hp.foreach, options=hp.options)
             opaque.adam(*lists, leaf_steps, **kw)
             continue
