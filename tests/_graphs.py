@@ -46,7 +46,9 @@ def train(
     model.to("meta")
     reduce_dtype = torch.float32 if param_dtype is not None else None
     apply = fs.schedule(model, plan, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    lr = fs.optim.linear_schedule(0.0, 1e-2, 10)
+    # a warm-up from above 0: torch's capturable kernel divides by the learning rate (see
+    # docs/optim.md)
+    lr = fs.optim.linear_schedule(1e-3, 1e-2, 10)
     adamw = fs.optim.adamw(lr, weight_decay=0.1, fused=fused, capturable=capturable)
     opt = fs.optim.chain(fs.optim.clip_by_global_norm(0.5), adamw) if clip else adamw
     state = opt.init(sharded)

@@ -119,8 +119,9 @@ def test_a_state_with_host_counts_moves_to_the_device():
         if i == 4:
             saved = topt.state_dict()
             topt = torch.optim.AdamW(ref, lr=1e-2, fused=True)
-            topt.load_state_dict(saved)  # which restores the saved group's fused=None too
-            topt.param_groups[0]["fused"] = True
+            topt.load_state_dict(saved)  # which restores the saved group's fused=None too,
+            topt.param_groups[0]["fused"] = True  # and keeps the host step, which fused refuses
+            topt.state[ref[0]]["step"] = topt.state[ref[0]]["step"].to(dev)
         ref[0].grad = g.clone()
         topt.step()
         ours, state = fs.optim.step(host if i < 4 else fused, ours, {"w": g.clone()}, state)
