@@ -40,6 +40,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -138,7 +139,9 @@ class _Entry:
     slots: list[Any] | None = None  # per input leaf: its slot (tensors), or the value
     local_slots: list[Any] = dataclasses.field(default_factory=list)  # their local tensors
     out: Any = None
-    aliased: list[bool] = dataclasses.field(default_factory=list)  # output leaf is a slot
+    out_leaves: list[Any] = dataclasses.field(default_factory=list)
+    out_spec: Any = None
+    aliased: list[bool | None] = dataclasses.field(default_factory=list)  # output leaf is a slot
     replay: Callable[[], None] | None = None
 
 
@@ -155,7 +158,7 @@ class CudaGraphed:
         self.step, self.warmup, self.max_graphs = step, warmup, max_graphs
         self.backend = backend
         self.entries: dict[Any, _Entry] = {}
-        self.last: tuple[list[str], Any] | None = None
+        self.last: Any = None  # the last call's key
         self.seen: tuple[list, list] = ([], [])  # the last call's leaves and their keys
         self.__wrapped__ = step
 
@@ -164,12 +167,13 @@ class CudaGraphed:
         return sum(e.replay is not None for e in self.entries.values())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        paths, leaves, spec = flatten((args, kwargs), none_is_leaf=True)
+        # no key paths here (strings per leaf per call): they are made when a message needs them
+        leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
         key = (spec, self._keys(leaves))
         entry = self.entries.get(key)
         if entry is None:
-            entry = self._new_entry(key, paths)
-        self.last = (paths, key)
+            entry = self._new_entry(key, args, kwargs)
+        self.last = key
         backend = self._backend(leaves)
         if entry.calls < self.warmup:
             entry.calls += 1
@@ -179,14 +183,15 @@ class CudaGraphed:
             )  # fmt: skip
             return out
         if entry.replay is None:
+            paths = flatten((args, kwargs), none_is_leaf=True)[0]
             self._capture(entry, paths, leaves, spec, backend)
         for x, slot, local in zip(leaves, entry.slots, entry.local_slots, strict=True):
             if x is not slot and local is not None and _local(x).data_ptr() != local.data_ptr():
                 local.copy_(_local(x))
         entry.replay()
-        _, outs, out_spec = flatten(entry.out, none_is_leaf=True)
+        outs = entry.out_leaves
         fresh = [x.clone() if a is False else x for x, a in zip(outs, entry.aliased, strict=True)]
-        return unflatten(out_spec, fresh)
+        return optree.tree_unflatten(entry.out_spec, fresh)
 
     def _keys(self, leaves: list) -> tuple:
         """Each leaf's key; a leaf that is the last call's object keeps its key (the donated
@@ -209,8 +214,9 @@ class CudaGraphed:
             self.backend = _Backend()
         return self.backend
 
-    def _new_entry(self, key, paths: list[str]) -> _Entry:
+    def _new_entry(self, key, args, kwargs) -> _Entry:
         if len(self.entries) >= self.max_graphs:
+            paths = flatten((args, kwargs), none_is_leaf=True)[0]
             raise ValueError(
                 f"cuda_graph: this call needs a new graph ({_difference(self.last, paths, key)}), "
                 f"but {len(self.entries)} are kept already (max_graphs={self.max_graphs}); "
@@ -258,9 +264,10 @@ class CudaGraphed:
         entry.slots, entry.out, entry.replay = slots, out, replay
         entry.local_slots = [_local(s) if isinstance(s, torch.Tensor) else None for s in slots]
         # per output leaf: True (a slot), False (the graph's memory: copied out), None (no tensor)
+        entry.out_leaves, entry.out_spec = optree.tree_flatten(out, none_is_leaf=True)
         entry.aliased = [
             (_local(x).data_ptr() in ptrs) if isinstance(x, torch.Tensor) else None
-            for x in flatten(out, none_is_leaf=True)[1]
+            for x in entry.out_leaves
         ]
 
 
@@ -277,10 +284,9 @@ def _donated(leaves: list, out: Any) -> frozenset[int]:
     )  # fmt: skip
 
 
-def _difference(last, paths: list[str], key) -> str:
-    if last is None:
+def _difference(old, paths: list[str], key) -> str:
+    if old is None:
         return "the first call"
-    _, old = last
     if old[0] != key[0]:
         return "the arguments' tree structure differs from the last call's"
     for path, a, b in zip(paths, old[1], key[1], strict=True):
