@@ -171,10 +171,10 @@ class CudaGraphed:
         leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
         key = (spec, self._keys(leaves))
         entry = self.entries.get(key)
-        if entry is None:
-            entry = self._new_entry(key, args, kwargs)
-        self.last = key
         backend = self._backend(leaves)
+        if entry is None:
+            entry = self._new_entry(key, args, kwargs, backend)
+        self.last = key
         if entry.calls < self.warmup:
             entry.calls += 1
             out = backend.warm(lambda: self.step(*args, **kwargs))
@@ -183,8 +183,7 @@ class CudaGraphed:
             )  # fmt: skip
             return out
         if entry.replay is None:
-            paths = flatten((args, kwargs), none_is_leaf=True)[0]
-            self._capture(entry, paths, leaves, spec, backend)
+            self._capture(entry, leaves, spec, backend)
         for x, slot, local in zip(leaves, entry.slots, entry.local_slots, strict=True):
             if x is not slot and local is not None and _local(x).data_ptr() != local.data_ptr():
                 local.copy_(_local(x))
@@ -214,9 +213,11 @@ class CudaGraphed:
             self.backend = _Backend()
         return self.backend
 
-    def _new_entry(self, key, args, kwargs) -> _Entry:
+    def _new_entry(self, key, args, kwargs, backend) -> _Entry:
+        paths, leaves, _ = flatten((args, kwargs), none_is_leaf=True)
+        if isinstance(backend, _Backend):  # before the warm-up, which would train
+            _refuse_host_tensors(paths, leaves)
         if len(self.entries) >= self.max_graphs:
-            paths = flatten((args, kwargs), none_is_leaf=True)[0]
             raise ValueError(
                 f"cuda_graph: this call needs a new graph ({_difference(self.last, paths, key)}), "
                 f"but {len(self.entries)} are kept already (max_graphs={self.max_graphs}); "
@@ -228,23 +229,15 @@ class CudaGraphed:
         self.entries[key] = entry
         return entry
 
-    def _capture(self, entry: _Entry, paths, leaves, spec, backend) -> None:
+    def _capture(self, entry: _Entry, leaves, spec, backend) -> None:
         device = next(
             (_local(x).device for x in leaves if isinstance(x, torch.Tensor)), None
         )  # fmt: skip
         slots = []
-        for i, (path, x) in enumerate(zip(paths, leaves, strict=True)):
+        for i, x in enumerate(leaves):
             if not isinstance(x, torch.Tensor):
                 slots.append(x)
                 continue
-            if isinstance(backend, _Backend) and _local(x).device.type != "cuda":
-                raise TypeError(
-                    f"cuda_graph: the argument {path!r} is a tensor on "
-                    f"{_local(x).device}; a CUDA graph records only the GPU's work, so every "
-                    "replay would reuse the value it had at the capture. Put it on the GPU "
-                    "(an optimizer state made without capturable=True keeps its step counts on "
-                    "the CPU: fs.optim.adamw(..., capturable=True), or fused=True)."
-                )
             if i in entry.donated:
                 slots.append(x)
             else:
@@ -269,6 +262,18 @@ class CudaGraphed:
             (_local(x).data_ptr() in ptrs) if isinstance(x, torch.Tensor) else None
             for x in entry.out_leaves
         ]
+
+
+def _refuse_host_tensors(paths: list[str], leaves: list) -> None:
+    for path, x in zip(paths, leaves, strict=True):
+        if isinstance(x, torch.Tensor) and _local(x).device.type != "cuda":
+            raise TypeError(
+                f"cuda_graph: the argument {path!r} is a tensor on {_local(x).device}; a CUDA "
+                "graph records only the GPU's work, so every replay would reuse the value it had "
+                "at the capture. Put it on the GPU (an optimizer state made without "
+                "capturable=True keeps its step counts on the CPU: fs.optim.adamw(..., "
+                "capturable=True), or fused=True)."
+            )
 
 
 def _donated(leaves: list, out: Any) -> frozenset[int]:

@@ -12,7 +12,7 @@ from _graphs import same, train
 
 import funcshard as fs
 from funcshard import _mode
-from funcshard._cuda_graph import CudaGraphed, _Rerun
+from funcshard._cuda_graph import CudaGraphed, _refuse_host_tensors, _Rerun
 from funcshard._mode import Mode
 
 
@@ -174,3 +174,11 @@ def test_device_counts_pure_update_equals_donated():
         q, sq = fs.optim.step(opt, q, {"w": g["w"].clone()}, sq)
     torch.testing.assert_close(p["w"], q["w"], atol=1e-7, rtol=0)
     assert int(sp.count) == int(sq.count) == 5
+
+
+def test_a_cpu_tensor_argument_is_refused_by_name():
+    """Checked at a layout's first call, before the warm-up trains: on a GPU every tensor
+    argument must be there (here: the host counts of an optimizer without capturable)."""
+    state = fs.optim.adamw(1e-2).init({"w": torch.ones(2)})
+    with pytest.raises(TypeError, match=r"argument '\[1\]\.count' is a tensor on cpu.*capturable"):
+        _refuse_host_tensors(["[0]", "[1].count"], [None, state.count])
