@@ -331,6 +331,7 @@ def _adam_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
         _writable(fields["nu"], pairs.active, inplace),
     )
     targets = _writable(pairs.params, pairs.active, inplace)
+    traced = not on_device and isinstance(count, torch.Tensor)  # under torch.compile
     for weight_decay, idx in _groups(hp, pairs):
         lists = (
             [local(targets[i]) for i in idx],
@@ -339,8 +340,7 @@ def _adam_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
             [local(nu[i]) for i in idx],
         )
         leaf_steps = [steps[i] for i in idx]  # incremented by the kernel
-        if not on_device and isinstance(count, torch.Tensor):  # compiled: see [Note: the
-            # optimizer in a compiled step]
+        if traced:  # see [Note: the optimizer in a compiled step]
             kw = dict(lr=lr, weight_decay=weight_decay, foreach=hp.foreach, options=hp.options)
             opaque.adam(*lists, leaf_steps, **kw)
             continue
