@@ -23,9 +23,11 @@ class _MirrorStore(dist.Store):
     def __init__(self) -> None:
         super().__init__()
         self.last = b""
+        self.sets = 0  # exchanges published (the agreement's: once per checked call)
 
     def set(self, key: str, value: bytes) -> None:
         self.last = value
+        self.sets += 1
 
     def get(self, key: str) -> bytes:
         return self.last
@@ -44,8 +46,9 @@ class _MirrorStore(dist.Store):
 
 
 @contextlib.contextmanager
-def fake_world(world: int, rank: int = 0) -> Iterator[DeviceMesh]:
-    """A 1-D CPU mesh over a fake process group of ``world`` ranks (this process is ``rank``)."""
+def fake_world(world: int, rank: int = 0, device: str = "cpu") -> Iterator[DeviceMesh]:
+    """A 1-D mesh of ``device`` (``"cuda"``: every rank's work on this process's GPU) over a
+    fake process group of ``world`` ranks (this process is ``rank``)."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
 
     store = _MirrorStore()  # referenced until the group is destroyed (c10d keeps no Python ref)
@@ -55,7 +58,9 @@ def fake_world(world: int, rank: int = 0) -> Iterator[DeviceMesh]:
     c10d = dist.distributed_c10d
     default_store, c10d._get_default_store = c10d._get_default_store, lambda s=store: s
     try:
-        yield init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device, (world,))
+        mesh.store = store  # type: ignore[attr-defined]  # for counting the exchanges
+        yield mesh
     finally:
         c10d._get_default_store = default_store
         dist.destroy_process_group()

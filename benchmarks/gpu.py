@@ -1,9 +1,9 @@
-"""Part ``gpu`` (issue 17): the training step on one GPU, every way of running it, side by side.
+"""Part ``gpu``: the training step on one GPU, every way of running it, side by side.
 
 The Llama-style decoder of ``host.py`` (RMSNorm, SDPA with rotary embeddings, SwiGLU, untied
-head) at the four sizes of issue 17, bf16 compute with fp32 master weights and fp32 gradient
-reduction, AdamW (fused where torch has the kernel), one group per block and the root, world
-size 1 (NCCL; ``--device cpu``: gloo). Variants:
+head) at four sizes (36M to 953M parameters), bf16 compute with fp32 master weights and fp32
+gradient reduction, AdamW (fused where torch has the kernel), one group per block and the root,
+world size 1 (NCCL; ``--device cpu``: gloo). Variants:
 
 - ``plain torch``: unsharded, ``torch.autocast`` to bf16 -- the floor;
 - ``plain torch, CUDA graph``: the same whole step (forward, backward, ``AdamW(capturable=True)``)
@@ -11,7 +11,16 @@ size 1 (NCCL; ``--device cpu``: gloo). Variants:
 - ``FSDP2`` (``MixedPrecisionPolicy(bf16, reduce fp32)``) and ``FSDP2 + compile per block``;
 - ``funcshard``: ``fs.schedule`` + ``fs.value_and_grad`` + ``fs.optim.step``
   (``param_dtype=bf16, reduce_dtype=fp32``); ``funcshard, compiled``: that whole step under
-  ``torch.compile`` (torch >= 2.13); ``funcshard, CUDA graph``: that whole step captured.
+  ``torch.compile`` (torch >= 2.13); ``funcshard, CUDA graph``: that whole step through
+  ``fs.cuda_graph`` (AdamW's counts on the device).
+
+``--fake-world N``: the same on a fake process group of ``N`` ranks (``fake.py``: collectives
+return at once, moving nothing; every other part of one rank's step is real), on the GPU or, with
+``--device cpu``, on the CPU: the host's work of a rank of an ``N``-rank job, measured without
+``N`` GPUs. Every variant also reports its aten calls and (CUDA) kernel launches per step, from
+the profiler (on CPU: the aten calls that call no other, each a kernel of its own on a GPU).
+Besides the steps, AdamW alone on the model's shards: ``torch.optim.AdamW(fused=True)`` against
+``fs.optim.step`` of ``fs.optim.adamw(fused=True)`` (and both ``capturable=True``), ms per step.
 
 A variant that cannot run here says why (``skipped``); one that fails (building, its first
 steps, a capture, a replay) keeps its error and traceback in the result (``error``,
@@ -26,6 +35,7 @@ and see the same batches). See ``_peak_bytes`` for what peak memory counts.
     python -m benchmarks.gpu                     # all four, NCCL: results/gpu-cuda-<config>.json
     python -m benchmarks.gpu --configs 36M,271M --variants "FSDP2,funcshard"
     python -m benchmarks.gpu --quick --device cpu            # tiny, gloo, < 1 min
+    python -m benchmarks.gpu --configs 36M --fake-world 8    # results/gpu-cuda-36M-fake8.json
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ import dataclasses
 import gc
 import math
 import os
+import re
 import statistics
 import time
 import traceback
@@ -53,7 +64,7 @@ from . import compile as compiled
 from . import harness, memory, timeline
 from .host import Llama, LlamaBlock
 from .tables import measured, table
-from .variants import VARIANTS, Graphed, Options, Trainer
+from .variants import VARIANTS, Options, Trainer
 from .workloads import Workload, _lm_loss
 
 DTYPE = torch.bfloat16
@@ -84,7 +95,7 @@ class Config:
         )
 
 
-# issue 17's table (the parameter counts name them)
+# the parameter counts name them
 CONFIGS = {
     "36M": Config(512, 8, 4, 512, 8192, 8),
     "117M": Config(512, 32, 4, 512, 8192, 8),
@@ -95,8 +106,8 @@ QUICK = {"tiny": Config(64, 2, 2, 32, 256, 4)}
 
 
 def workload(name: str, c: Config, device: torch.device) -> Workload:
-    """The model built on ``device`` (the same seed for every variant), the batches of issue 17's
-    measurement (random tokens), next-token cross entropy."""
+    """The model built on ``device`` (the same seed for every variant), random tokens as
+    batches, next-token cross entropy."""
 
     def build() -> Llama:
         torch.manual_seed(0)
@@ -139,7 +150,7 @@ def variants(device: torch.device, backend: str) -> dict[str, tuple[Callable, Op
         "funcshard": (VARIANTS["funcshard"], o),
         "funcshard, compiled": no_compile
         or (VARIANTS["funcshard + compile"], o),
-        "funcshard, CUDA graph": no_graphs or (VARIANTS["funcshard + CUDA graph"], o),
+        "funcshard, CUDA graph": no_graphs or (VARIANTS["funcshard + fs.cuda_graph"], o),
     }
 
 
@@ -199,6 +210,32 @@ def _kernel_ms(trainer: Trainer, batches, device: torch.device) -> float | None:
     return sum(b - a for a, b in timeline.merge(spans)) / 1e3 / len(batches)
 
 
+_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx",
+             "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")  # fmt: skip
+
+
+def _calls(trainer: Trainer, batches, device: torch.device) -> dict[str, float]:
+    """Aten calls and kernel launches per step (the profiler's events over ``batches``). A
+    launch is any of ``_LAUNCHES`` (a graph's replay is one); on CPU, ``launches`` counts the
+    aten calls that call no other aten op (each would be a kernel of its own on a GPU)."""
+    harness.sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for batch in batches:
+            trainer.step(batch)
+        harness.sync(device)
+    events = prof.events()
+    aten = [e for e in events if e.name.startswith("aten::")]
+    if device.type == "cuda":
+        launches = sum(1 for e in events if e.name in _LAUNCHES)
+    else:
+        launches = sum(
+            1 for e in aten if not any(c.name.startswith("aten::") for c in e.cpu_children)
+        )
+    n = len(batches)
+    return {"aten_calls": len(aten) / n, "launches": launches / n}
+
+
 def _peak_bytes(trainer: Trainer, row: dict, batch, device: torch.device) -> int:
     """Peak memory of one step of this variant alone. CUDA: what it keeps between steps
     (allocated across its build and first steps: parameters, optimizer state, caches, a
@@ -237,7 +274,7 @@ def measure(
             gc.collect()
         print(f"[gpu] {name} {label}: {_short(rows[label])}", flush=True)
     losses = _time(trainers, rows, batches[PROLOGUE:], device, args)
-    targets = _ratios(rows, losses)
+    targets = _ratios(rows, losses, TARGETS_RANKS if args.fake_world else TARGETS)
     tokens, params = c.batch * c.seq, parameters(c)
     flop = 6 * params * tokens  # per step: forward + backward of every parameter, no attention
     after = batches[PROLOGUE + args.warmup + args.rounds :]
@@ -249,7 +286,12 @@ def measure(
     torch._dynamo.reset()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    optimizer = optimizer_cost(w, mesh, device, args) if args.optimizer else {}
+    gc.collect()
     return {
+        "world": mesh.size(),
+        "fake": bool(args.fake_world),
+        "optimizer": optimizer,
         "name": name,
         "config": dataclasses.asdict(c) | {"hidden": c.hidden},
         "description": c.describe(),
@@ -264,8 +306,9 @@ def _profile(trainer: Trainer, row: dict, batches, device, flop: int, peak: floa
     """GPU busy fraction, MFU and peak memory of one variant into its ``row``."""
     try:
         kernel = _kernel_ms(trainer, batches[:3], device)
-        graphed = trainer.forward_backward
-        row["pool"] = graphed.pool_extra if isinstance(graphed, Graphed) else 0
+        row.update(_calls(trainer, batches[:2], device))
+        extra = getattr(trainer.forward_backward, "pool_extra", 0)
+        row["pool"] = extra() if callable(extra) else extra
         row["peak_bytes"] = _peak_bytes(trainer, row, batches[3], device)
     except Exception as e:
         row.update(_failure(e, "profiling"))
@@ -302,8 +345,9 @@ def _time(trainers, rows, batches, device, args) -> dict[str, list[torch.Tensor]
     return losses
 
 
-# issue 17's targets: (variant, baseline, at most)
-TARGETS = (("funcshard", FSDP2, 0.9), ("funcshard, CUDA graph", "plain torch, CUDA graph", 1.05))
+# the targets: (variant, baseline, at most); at one rank, and at several (fake) ranks
+TARGETS = (("funcshard", FSDP2, 0.85), ("funcshard, CUDA graph", "plain torch, CUDA graph", 1.02))
+TARGETS_RANKS = (("funcshard", FSDP2, 0.85), ("funcshard, CUDA graph", FSDP2, 0.5))
 # the eager step each compiled or captured variant runs: their losses should agree closely
 EAGER = {
     "plain torch, CUDA graph": PLAIN,
@@ -313,7 +357,9 @@ EAGER = {
 }
 
 
-def _ratios(rows: dict[str, dict[str, Any]], losses: dict[str, list[torch.Tensor]]) -> list:
+def _ratios(
+    rows: dict[str, dict[str, Any]], losses: dict[str, list[torch.Tensor]], targets=TARGETS
+) -> list:
     """Medians into ``rows``, with the per-round ratios to FSDP2 and to plain torch, the last
     loss and its relative gaps to plain torch's and to its own eager step's (``EAGER``); the
     targets' ratios (``None``: not measured)."""
@@ -333,7 +379,55 @@ def _ratios(rows: dict[str, dict[str, Any]], losses: dict[str, list[torch.Tensor
             loss_gap=gap(label, PLAIN),
             loss_gap_eager=gap(label, EAGER[label]) if label in EAGER else None,
         )
-    return [[a, b, at, ratio(a, b)] for a, b, at in TARGETS]
+    return [[a, b, at, ratio(a, b)] for a, b, at in targets]
+
+
+def optimizer_cost(w: Workload, mesh, device: torch.device, args) -> dict[str, float | str]:
+    """AdamW alone on the model's shards, ms per step (medians, alternating): torch.optim's
+    ``AdamW`` on the local shards as parameters, against ``fs.optim.step`` of ``fs.optim.adamw``
+    on the sharded tree, each fused and capturable (on CPU, fused only). A variant that fails
+    keeps its error."""
+    import funcshard as fs
+    from funcshard._dtensor import placed_like
+
+    model = w.build()
+    params, _ = fs.extract(model)
+    sharded = fs.shard(params, mesh)
+    del model, params
+    g = torch.Generator(device=device).manual_seed(0)
+    grads = {k: placed_like(torch.randn(v.to_local().shape, generator=g, device=device), v)
+             for k, v in sharded.items()}  # fmt: skip
+    kinds = {"fused": dict(fused=True)}
+    if device.type == "cuda":
+        kinds["capturable"] = dict(capturable=True)
+    steps: dict[str, Callable[[int], None]] = {}
+    out: dict[str, float | str] = {}
+    for kind, kw in kinds.items():
+        try:
+            leaves = [torch.nn.Parameter(v.to_local().detach().clone()) for v in sharded.values()]
+            for p, gr in zip(leaves, grads.values(), strict=True):
+                p.grad = gr.to_local().clone()
+            topt = torch.optim.AdamW(leaves, lr=1e-3, weight_decay=0.1, **kw)
+            steps[f"torch.optim.AdamW({kind}=True)"] = lambda i, o=topt: o.step()
+            opt = fs.optim.adamw(1e-3, weight_decay=0.1, **kw)
+            box = {"p": {k: placed_like(v.to_local().clone(), v) for k, v in sharded.items()}}
+            box["s"] = opt.init(box["p"])
+
+            def fs_step(i, opt=opt, box=box):
+                box["p"], box["s"] = fs.optim.step(opt, box["p"], dict(grads), box["s"])
+
+            steps[f"fs.optim.adamw({kind}=True)"] = fs_step
+        except Exception as e:
+            out[kind] = _failure(e, "optimizer")["error"]
+    if not steps:
+        return out
+    try:
+        times = harness.alternate(steps, rounds=args.rounds, warmup=args.warmup, device=device)
+    except Exception as e:
+        return out | {"error": _failure(e, "optimizer")["error"]}
+    for label, ts in times.items():
+        out[label] = 1e3 * statistics.median(ts)
+    return out
 
 
 def _short(row: dict[str, Any]) -> str:
@@ -352,7 +446,8 @@ def _results(results: dict[str, Any], device: str) -> list[dict[str, Any]]:
     the order of ``CONFIGS``."""
     order = [*CONFIGS, *QUICK]
     found = [r for k, r in results.items() if k.startswith(f"gpu-{device}-")]
-    return sorted(found, key=lambda r: order.index(r["result"]["name"]))
+    world = lambda r: (r["result"].get("fake", False), r["result"].get("world", 1))
+    return sorted(found, key=lambda r: (world(r), order.index(r["result"]["name"])))
 
 
 def section(results: dict[str, Any]) -> str:
@@ -365,19 +460,34 @@ def section(results: dict[str, Any]) -> str:
     out = []
     for r in found:
         cfg, peak = r["result"], r["result"]["peak_tflops"]
+        ranks = f", {cfg['world']} fake ranks" if cfg.get("fake") else ""
         out.append(
-            f"**{cfg['name']}** ({cfg['parameters'] / 1e6:.1f}M parameters; "
+            f"**{cfg['name']}{ranks}** ({cfg['parameters'] / 1e6:.1f}M parameters; "
             f"{cfg['description']}): medians of {r['rounds']} alternating steps after "
             f"{r['warmup']} warm-up steps; "
             + (f"MFU against {peak:g} bf16 TFLOP/s." if peak else "no MFU (no peak given).")
         )
         out.append(table(HEADER, [[label, *_cells(row)] for label, row in cfg["rows"].items()]))
-        out.append(_targets(cfg["targets"]) + "\n\n" + measured(r) + "\n")
+        said = _targets(cfg["targets"]) + _optimizer(cfg.get("optimizer") or {})
+        out.append(said + "\n\n" + measured(r) + "\n")
     return "\n\n".join(out)
 
 
+def _optimizer(times: dict[str, Any]) -> str:
+    """AdamW alone on the shards: fs.optim's ms per step against torch.optim's, per kernel."""
+    said = []
+    for kind in ("fused", "capturable"):
+        a = times.get(f"fs.optim.adamw({kind}=True)")
+        b = times.get(f"torch.optim.AdamW({kind}=True)")
+        if isinstance(a, float) and isinstance(b, float):
+            said.append(f"{kind}: {a:.2f} ms vs torch.optim.AdamW's {b:.2f} ms ({a / b:.2f}x)")
+        elif kind in times:
+            said.append(f"{kind}: failed (`{times[kind]}`)")
+    return f" AdamW alone on the shards, per step: {'; '.join(said)}." if said else ""
+
+
 HEADER = ["variant", "step ms", "x FSDP2", "x plain", "host ms", "GPU busy", "MFU",
-          "peak MiB", "first step s", "loss gap", "to eager"]  # fmt: skip
+          "peak MiB", "first step s", "loss gap", "to eager", "aten calls", "launches"]  # fmt: skip
 
 
 def _cells(row: dict[str, Any]) -> list[str]:
@@ -397,22 +507,25 @@ def _cells(row: dict[str, Any]) -> list[str]:
         f"{row['first_call_s']:.1f}",
         num(row["loss_gap"], "{:.1e}"),
         num(row["loss_gap_eager"], "{:.1e}"),
+        num(row.get("aten_calls"), "{:,.0f}"),
+        num(row.get("launches"), "{:,.0f}"),
     ]
 
 
 def summary_rows(results: dict[str, Any]) -> list[list[str]]:
-    """Issue 17's targets on the GPU (a CUDA result only), one summary line each."""
+    """The targets on the GPU (a CUDA result only), one summary line each."""
     out = []
     for cfg in (r["result"] for r in _results(results, "cuda")):
+        ranks = f", {cfg['world']} fake ranks" if cfg.get("fake") else ""
         for a, b, at, x in cfg["targets"]:
             measured = "not measured" if x is None else f"{x:.2f}x"
             met = "-" if x is None else "yes" if x <= at else "**no**"
-            out.append([f"GPU step {cfg['name']}: {a}", f"<= {at}x {b}", measured, met])
+            out.append([f"GPU step {cfg['name']}{ranks}: {a}", f"<= {at}x {b}", measured, met])
     return out
 
 
 def _targets(targets: list) -> str:
-    """Issue 17's targets, as measured (median per-round ratios)."""
+    """The targets, as measured (median per-round ratios)."""
     said = [
         f"{a} / {b}: " + ("not measured" if x is None else f"**{x:.2f}x**")
         + f" (target <= {at}x{'' if x is None else ', met' if x <= at else ', **not met**'})"
@@ -429,12 +542,17 @@ def main(argv: list[str] | None = None) -> list[Path]:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--quick", action="store_true", help="a tiny model, 3 rounds (CPU: < 1 min)")
     ap.add_argument("--configs", help=f"comma-separated, of {[*CONFIGS, *QUICK]}")
-    ap.add_argument("--variants", help="comma-separated labels (default: all)")
+    ap.add_argument("--variants", help="labels separated by ',' (default: all)")
     ap.add_argument("--rounds", type=int, help="timed steps per variant (default 20; quick 3)")
     ap.add_argument("--warmup", type=int, help="untimed alternating steps (default 5; quick 1)")
     ap.add_argument("--peak-tflops", type=float, help="bf16 peak (default: 989, H100 SXM, on CUDA)")
     ap.add_argument("--backend", help="torch.compile backend (default inductor; quick aot_eager)")
     ap.add_argument("--out", type=Path, help="results folder")
+    ap.add_argument("--fake-world", type=int, default=0,
+                    help="N > 1: a fake process group of N ranks on the device (this process "
+                         "is rank 0): one rank's work of an N-rank job")  # fmt: skip
+    ap.add_argument("--no-optimizer", dest="optimizer", action="store_false",
+                    help="skip AdamW alone on the shards")  # fmt: skip
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     known = QUICK if args.quick else CONFIGS
@@ -442,7 +560,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
     unknown = [n for n in names if n not in {**CONFIGS, **QUICK}]
     if unknown:
         ap.error(f"unknown --configs {unknown}; known: {[*CONFIGS, *QUICK]}")
-    args.variants = args.variants.split(",") if args.variants else None
+    # labels hold ", " ("funcshard, CUDA graph"): split at commas not followed by a space
+    args.variants = re.split(r",(?! )", args.variants) if args.variants else None
     labels = variants(device, "")
     if args.variants and set(args.variants) - set(labels):
         ap.error(
@@ -455,7 +574,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
         args.peak_tflops = 989.0
     out = args.out or (harness.RESULTS / "quick" if args.quick else harness.RESULTS)
     paths = []
-    with _world(device) as mesh:
+    suffix = f"-fake{args.fake_world}" if args.fake_world else ""
+    with _world(device, args.fake_world) as mesh:
         for name in names:
             t0, before = time.perf_counter(), harness.machine(device)
             result = measure(name, {**CONFIGS, **QUICK}[name], mesh, device, args)
@@ -469,16 +589,26 @@ def main(argv: list[str] | None = None) -> list[Path]:
                 "warmup": args.warmup,
                 "result": result | {"peak_tflops": args.peak_tflops, "backend": args.backend},
             }
-            paths.append(harness.write(f"gpu-{device.type}-{name}", info, out))
+            paths.append(harness.write(f"gpu-{device.type}-{name}{suffix}", info, out))
             print(section({paths[-1].stem: info}))
             print(f"[gpu] {name}: {info['seconds']:.0f} s -> {paths[-1]}", flush=True)
     return paths
 
 
 @contextlib.contextmanager
-def _world(device: torch.device):
-    """One rank -- NCCL on CUDA device 0, gloo on CPU -- and its mesh."""
+def _world(device: torch.device, fake: int = 0):
+    """One rank -- NCCL on CUDA device 0, gloo on CPU -- and its mesh; with ``fake`` > 1, rank
+    0 of a fake process group of ``fake`` ranks on ``device``."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    if fake:
+        from .fake import fake_world
+
+        if device.type == "cuda":
+            torch.cuda.set_device(0)
+        with fake_world(fake, device=device.type) as mesh:
+            yield mesh
+        return
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29534")

@@ -214,19 +214,28 @@ def fsdp2_compiled_blocks(w: Workload, mesh: DeviceMesh, o: Options) -> Trainer:
 
 
 def funcshard(
-    w: Workload, mesh: DeviceMesh, o: Options, *, compiled: bool = False, unshard: bool = False
+    w: Workload,
+    mesh: DeviceMesh,
+    o: Options,
+    *,
+    compiled: bool = False,
+    unshard: bool = False,
+    graphed: bool = False,
 ) -> Trainer:
     """``fs.schedule`` with the same grouping; ``fs.optim.step`` of ``fs.optim.adamw``.
     ``unshard``: the loss runs the model on ``fs.unshard`` of the whole tree instead (no plan);
     ``compiled``: the whole step is ``torch.compile(train_step, fullgraph=True)`` (inductor),
-    ``forward_backward`` runs all of it and ``optimizer_step`` nothing."""
+    ``forward_backward`` runs all of it and ``optimizer_step`` nothing; ``graphed``: the same
+    whole step through ``fs.cuda_graph`` (AdamW with its counts on the device)."""
     model = w.build()
     params, buffers = fs.extract(model)
     sharded = fs.shard(params, mesh)
     plan = None if unshard else plan_for(w, model, o)
     model.to("meta")
     del params
-    opt = fs.optim.adamw(o.lr, weight_decay=o.weight_decay, fused=o.fused)
+    opt = fs.optim.adamw(
+        o.lr, weight_decay=o.weight_decay, fused=o.fused, capturable=graphed and not o.fused
+    )
     box: dict[str, Any] = {"params": sharded, "state": opt.init(sharded), "grads": None}
     if unshard:
 
@@ -246,7 +255,7 @@ def funcshard(
         gradients=lambda: [g for g in leaves(box["grads"]) if g is not None],
         optimizer_state=lambda: [t for t in leaves(box["state"]) if torch.is_tensor(t)],
     )
-    if compiled:
+    if compiled or graphed:
         vg = fs.value_and_grad(loss_fn)  # made once, outside the compiled function
 
         def train_step(params, state, batch):
@@ -254,13 +263,17 @@ def funcshard(
             params, state = fs.optim.step(opt, params, grads, state)
             return loss, params, state
 
-        counter = CompileCounterWithBackend(o.compile_backend)
-        step = torch.compile(train_step, backend=counter, fullgraph=True)
+        counter = CompileCounterWithBackend(o.compile_backend) if compiled else None
+        if compiled:
+            step = torch.compile(train_step, backend=counter, fullgraph=True)
+        else:
+            step = PoolCounted(fs.cuda_graph(train_step))
 
         def whole_step(batch):
             loss, box["params"], box["state"] = step(box["params"], box["state"], batch)
             return loss.detach()
 
+        whole_step.pool_extra = lambda: getattr(step, "pool_extra", 0)  # type: ignore[attr-defined]
         return Trainer(whole_step, lambda: None, **trees, plan=plan, counter=counter)
 
     def forward_backward(batch):
@@ -272,6 +285,27 @@ def funcshard(
         box["grads"] = None
 
     return Trainer(forward_backward, optimizer_step, **trees, plan=plan)
+
+
+@dataclasses.dataclass
+class PoolCounted:
+    """``graphed`` (``fs.cuda_graph``'s callable), with ``pool_extra`` measured around each
+    capture as :class:`Graphed` measures it."""
+
+    graphed: Any
+    pool_extra: int = 0
+
+    def __call__(self, *args):
+        if self.graphed.graphs:  # captured: nothing to measure
+            return self.graphed(*args)
+        torch.cuda.synchronize()
+        allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        out = self.graphed(*args)
+        if self.graphed.graphs:
+            torch.cuda.synchronize()
+            live = torch.cuda.memory_allocated() - allocated
+            self.pool_extra += max(0, torch.cuda.memory_reserved() - reserved - live)
+        return out
 
 
 def funcshard_compiled(w: Workload, mesh: DeviceMesh, o: Options) -> Trainer:
@@ -381,4 +415,5 @@ VARIANTS: dict[str, Variant] = {
     "funcshard + compile": funcshard_compiled,
     "funcshard.unshard + compile": funcshard_unshard_compiled,
     "funcshard + CUDA graph": cuda_graph(funcshard),
+    "funcshard + fs.cuda_graph": functools.partial(funcshard, graphed=True),
 }

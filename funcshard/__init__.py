@@ -4,6 +4,7 @@ from . import checkpoint, optim, policy, testing
 from ._autodiff import grad, per_sample_grad, value_and_grad
 from ._bucketing import merge_groups
 from ._construction import Construction, on_meta
+from ._cuda_graph import cuda_graph
 from ._debug import checking_collectives
 from ._extract import extract, functional_call
 from ._grouping import group
@@ -22,6 +23,7 @@ __all__ = [
     "Step",
     "checking_collectives",
     "checkpoint",
+    "cuda_graph",
     "extract",
     "from_local",
     "functional_call",

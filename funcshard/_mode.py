@@ -8,13 +8,51 @@ synchronous and nothing is freed (functorch refuses saved-tensor hooks and would
 for the wait itself); while ``torch.compile`` traces, collectives are recorded into the graph
 and frees are the compiler's. :meth:`Mode.now` is the one place that asks torch's global state;
 a call asks once, at its entry, and hands the answer to everything it runs.
+
+[Note: capture is a mode]
+While a CUDA graph is captured (``fs.cuda_graph``, or ``torch.cuda.graph`` by hand) the step
+runs op by op as in ``EAGER`` -- pending collectives, frees after forward, saved-tensor hooks --
+but nothing runs: the device work is recorded and replayed later, without Python. Its own rules
+follow from that. What the host does once (planning, the ranks' agreement through the store,
+hooks' bookkeeping) happens at the capture only, and is right for every replay only because the
+step is the same at every call (the graph is keyed by the inputs' structure, shapes and
+values). What the host *reads* from the device (``.item()``, a branch on a tensor, a copy to the
+CPU) cannot be captured at all, and a value the host *holds* (a CPU step count, a learning rate
+as a number computed from one) would be frozen at its captured value: so the optimizer refuses
+host counts in this mode (see [Note: counts on the device] in ``optim/_kernels``) and
+``fs.cuda_graph`` refuses host reads and CPU tensors by name.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import enum
+from collections.abc import Iterator
 
 import torch
+
+# set by fs.cuda_graph around its capture (also for its CPU stand-in in tests); a capture by hand
+# with torch.cuda.graph is seen through torch's own query
+_CAPTURING = contextvars.ContextVar("funcshard_capturing", default=False)
+
+
+def capturing() -> bool:
+    """A CUDA graph is being captured on this thread's current stream (see [Note: capture is
+    a mode])."""
+    if _CAPTURING.get():
+        return True
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+@contextlib.contextmanager
+def capture() -> Iterator[None]:
+    """Run the body in :attr:`Mode.CAPTURED` (``fs.cuda_graph``'s capture)."""
+    token = _CAPTURING.set(True)
+    try:
+        yield
+    finally:
+        _CAPTURING.reset(token)
 
 
 class Mode(enum.Enum):
@@ -25,6 +63,7 @@ class Mode(enum.Enum):
     SYNCHRONOUS = "synchronous"  # inside torch.func transforms or anomaly mode
     TRACED = "traced"  # torch.compile tracing plain autograd
     TRACED_SYNCHRONOUS = "traced synchronous"  # torch.compile tracing a torch.func transform
+    CAPTURED = "captured"  # recorded into a CUDA graph: see [Note: capture is a mode]
 
     @staticmethod
     def now() -> Mode:
@@ -34,19 +73,27 @@ class Mode(enum.Enum):
             return Mode.TRACED_SYNCHRONOUS if transformed else Mode.TRACED
         if transformed:
             return Mode.SYNCHRONOUS
-        return Mode.ANOMALY if torch.is_anomaly_enabled() else Mode.EAGER
+        if torch.is_anomaly_enabled():
+            return Mode.ANOMALY
+        return Mode.CAPTURED if capturing() else Mode.EAGER
 
     @property
     def asynchronous(self) -> bool:
         """Collectives may return pending tensors (see [Note: pending tensors] in
         ``_collectives``)."""
-        return self is Mode.EAGER
+        return self in (Mode.EAGER, Mode.CAPTURED)
+
+    @property
+    def eager(self) -> bool:
+        """Op by op under plain autograd, as called: run now (``EAGER``) or recorded into a CUDA
+        graph (``CAPTURED``), with the same ops either way."""
+        return self in (Mode.EAGER, Mode.CAPTURED)
 
     @property
     def plain(self) -> bool:
         """Plain autograd: not inside a ``torch.func`` transform, not traced (where
         ``torch.utils.checkpoint`` may run)."""
-        return self in (Mode.EAGER, Mode.ANOMALY)
+        return self in (Mode.EAGER, Mode.ANOMALY, Mode.CAPTURED)
 
     @property
     def traced(self) -> bool:
@@ -57,4 +104,9 @@ class Mode(enum.Enum):
     def frees(self) -> bool:
         """Groups may be freed after forward and gathered again for backward (saved-tensor
         hooks run here)."""
-        return self in (Mode.EAGER, Mode.TRACED)
+        return self in (Mode.EAGER, Mode.TRACED, Mode.CAPTURED)
+
+    @property
+    def captured(self) -> bool:
+        """A CUDA graph is being captured: host reads are refused, host values frozen."""
+        return self is Mode.CAPTURED

@@ -428,7 +428,7 @@ class _Group:
         with span("wait", self.name):
             if self.raw is None:
                 self.raw = _flat.finish(inflight)
-                self.storages = self._own_storages() if self.mode is Mode.EAGER else []
+                self.storages = self._own_storages() if self.mode.eager else []
                 # the post-backward callback frees: nothing to free, no node
                 notify = notify if self.storages else None
                 fulls = _grad_layout.capture(self.leaves, self.raw, self.opts)  # ZeRO-2
@@ -631,7 +631,7 @@ class _Run:
 
     def _make_resident(self, state: _Group) -> None:
         first = state.raw is None
-        eager = self.mode is Mode.EAGER and torch.is_grad_enabled()
+        eager = self.mode.eager and torch.is_grad_enabled()
         state.wait(self._post_backward(state) if eager else None)
         if first and self.sink is not None:  # see [Note: gradient accumulation without ...]
             _parallel.refuse_unsynced([lay.path for lay in state.layouts], state.specs, "schedule")

@@ -319,7 +319,7 @@ def test_recompute_part_on_two_ranks(world2):
 
 
 def test_gpu_part_runs_quick_on_cpu(tmp_path):
-    """benchmarks/gpu.py (issue 17's step on one GPU) on a tiny model, one gloo rank: every
+    """benchmarks/gpu.py (the training step on one GPU) on a tiny model, one gloo rank: every
     variant either ran -- a finite step time, its memory at least the fp32 parameters and AdamW's
     two moments, the loss after the timed steps within bf16 rounding of plain torch's (the same
     weights, the same batches) -- or says why it was skipped; the report has a row for each."""
@@ -353,6 +353,34 @@ def test_gpu_part_runs_quick_on_cpu(tmp_path):
     table = gpu.section({"gpu-cpu-tiny": r})
     assert all(f"| {label} |" in table for label in rows)
     assert "| plain torch, CUDA graph | skipped: CUDA graphs need a CUDA device" in table
+
+
+def test_gpu_part_at_fake_ranks_counts_calls(tmp_path):
+    """``--fake-world 8`` on CPU: one rank of 8 over the fake process group, each variant with
+    its aten calls and (CPU) leaf calls per step, the targets of several ranks, and AdamW alone
+    on the shards against torch.optim's."""
+    subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu", "--quick", "--device", "cpu", "--fake-world",
+         "8", "--variants", "FSDP2,funcshard", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, check=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    r = json.loads((tmp_path / "gpu-cpu-tiny-fake8.json").read_text())
+    cfg = r["result"]
+    assert cfg["world"] == 8 and cfg["fake"]
+    for label in ("FSDP2", "funcshard"):
+        row = cfg["rows"][label]
+        assert 0 < row["launches"] < row["aten_calls"], (label, row)
+    assert [t[:3] for t in cfg["targets"]] == [list(t) for t in gpu.TARGETS_RANKS]
+    assert {"fs.optim.adamw(fused=True)", "torch.optim.AdamW(fused=True)"} <= set(cfg["optimizer"])
+    table = gpu.section({"gpu-cpu-tiny-fake8": r})
+    assert "**tiny, 8 fake ranks**" in table and "AdamW alone on the shards" in table
+
+
+def test_graph_call_overhead_runs():
+    from benchmarks import graph_call
+
+    assert graph_call.main(calls=20) > 0
 
 
 def test_gpu_part_keeps_a_failure_in_full():

@@ -36,6 +36,7 @@ CHECKPOINT = "Checkpoints: fs.checkpoint"
 INIT = "Initialisation: fs.materialize"
 TESTING = "The testing harness: fs.testing"
 COMPILE = "torch.compile"
+CUDA_GRAPH = "CUDA graphs: fs.cuda_graph"
 
 # The page section of each raise site: "file::function" first, then the file, then its folder.
 AREAS = {
@@ -62,6 +63,7 @@ AREAS = {
     "_plan_meshes.py": SCHEDULE,
     "_compile.py": COMPILE,
     "_compat.py": COMPILE,
+    "_cuda_graph.py": CUDA_GRAPH,
     "_bucketing.py": SCHEDULE,
     "_record.py": SCHEDULE,
     "_schedule.py": SCHEDULE,

@@ -63,10 +63,12 @@ def global_norm(tree: PyTree) -> torch.Tensor:
         return torch.zeros(())
     locals_ = [local(x) for x in leaves]
     norms = torch._foreach_norm(locals_, 2, dtype=torch.float32)
-    squares = torch.stack(norms).square()
+    squares = torch._foreach_mul(norms, norms)
     if any(dtensors):
         weights = [1 / _replicas(p, x) for p, x in zip(paths, leaves, strict=True)]
-        squares = squares * torch.tensor(weights, device=squares.device)
+        if any(w != 1 for w in weights):  # Python numbers: no host tensor copied in (capturable)
+            squares = torch._foreach_mul(squares, weights)
+    squares = torch.stack(squares)
     total = squares.sum()
     if any(dtensors):
         dist.all_reduce(total)
@@ -104,7 +106,8 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         raise ValueError(f"clip_by_global_norm: max_norm={max_norm!r}; it must be a number > 0.")
 
     def init(params):
-        return ClipState(torch.zeros(()))
+        devices = [local(x).device for x in flatten(params)[1]]
+        return ClipState(torch.zeros((), device=devices[0] if devices else None))
 
     @torch.no_grad()
     def update(grads, state, params=None, inplace=False):

@@ -32,10 +32,11 @@ from typing import Any, NamedTuple
 
 import torch
 from torch.optim.adam import adam as torch_adam
-from torch.optim.optimizer import _get_scalar_dtype
+from torch.optim.optimizer import _get_capturable_supported_devices, _get_scalar_dtype
 from torch.optim.sgd import sgd as torch_sgd
 
 from .._compile import compiling
+from .._mode import capturing
 from .._tree import PyTree, flatten, map_with_path, unflatten
 from . import _opaque as opaque
 from ._base import EmptyState, GradientTransformation, check_like, leaves_like, local, wrap
@@ -76,6 +77,7 @@ class _Hyper:
     mask: Mask | None
     foreach: bool | None
     options: tuple[tuple[str, Any], ...]  # the kernel's own keyword arguments
+    capturable: bool = False  # see [Note: counts on the device]
 
 
 def adam(
@@ -87,6 +89,7 @@ def adam(
     mask: Mask | None = None,
     foreach: bool | None = None,
     fused: bool | None = None,
+    capturable: bool = False,
 ) -> GradientTransformation:
     """Adam as ``torch.optim.Adam`` computes it (weight decay added to the gradient, L2).
 
@@ -104,13 +107,22 @@ def adam(
             the shards of a dtype and device; CUDA, and CPU for floating dtypes), what
             ``torch.optim.AdamW(fused=True)`` computes; not with ``foreach=True``. Under
             ``torch.compile`` the kernel runs as one operation of the graph (see [Note: the
-            optimizer in a compiled step]).
+            optimizer in a compiled step]). On a GPU the step counts then live on the device (see
+            [Note: counts on the device]).
+        capturable: as in ``torch.optim``: the step counts (``count``, ``steps``) are tensors on
+            the parameters' device, updated by the step itself, and the learning rate and bias
+            corrections are computed there, so the step can be captured into a CUDA graph
+            (:func:`funcshard.cuda_graph`); on CUDA torch's ``capturable=True`` kernel runs. On
+            CPU the counts stay CPU tensors read by the same path (torch has no capturable CPU
+            kernel).
 
     Raises:
         ValueError: a negative ``lr``/``eps``/``weight_decay`` or a beta outside ``[0, 1)``;
         TypeError: an ``lr`` that is no number, one-element tensor or callable.
     """
-    return _adam("adam", lr, betas, eps, weight_decay, mask, foreach, fused, decoupled=False)
+    return _adam(
+        "adam", lr, betas, eps, weight_decay, mask, foreach, fused, capturable, decoupled=False
+    )
 
 
 def adamw(
@@ -122,16 +134,19 @@ def adamw(
     mask: Mask | None = None,
     foreach: bool | None = None,
     fused: bool | None = None,
+    capturable: bool = False,
 ) -> GradientTransformation:
     """AdamW as ``torch.optim.AdamW`` computes it (decoupled weight decay: ``p *= 1 - lr * wd``).
 
     Arguments as for :func:`adam`; ``mask`` selects the parameters that are decayed.
     """
-    return _adam("adamw", lr, betas, eps, weight_decay, mask, foreach, fused, decoupled=True)
+    return _adam(
+        "adamw", lr, betas, eps, weight_decay, mask, foreach, fused, capturable, decoupled=True
+    )
 
 
 def _adam(
-    name, lr, betas, eps, weight_decay, mask, foreach, fused, decoupled
+    name, lr, betas, eps, weight_decay, mask, foreach, fused, capturable, decoupled
 ) -> GradientTransformation:
     lr = _check_lr(name, lr)
     _check(name, "eps", eps, eps >= 0, ">= 0")
@@ -147,9 +162,11 @@ def _adam(
         maximize=False,
         fused=fused,
     )
-    hp = _Hyper(name, lr, float(weight_decay), mask, foreach, tuple(options.items()))
+    hp = _Hyper(
+        name, lr, float(weight_decay), mask, foreach, tuple(options.items()), bool(capturable)
+    )
     return GradientTransformation(
-        _adam_init,
+        functools.partial(_adam_init, hp),
         functools.partial(_adam_update, hp, inplace=False),
         functools.partial(_adam_update, hp, inplace=True),
     )
@@ -269,7 +286,7 @@ def _groups(hp: _Hyper, pairs: _Pairs) -> list[tuple[float, list[int]]]:
     ]
 
 
-def _adam_init(params: PyTree) -> AdamState:
+def _adam_init(hp: _Hyper, params: PyTree) -> AdamState:
     """[Note: a step count per leaf]
     ``torch.optim.Adam`` keeps a ``step`` per parameter and counts only the steps in which the
     parameter had a gradient: one that was frozen (``grad is None``) for a while gets the bias
@@ -277,25 +294,44 @@ def _adam_init(params: PyTree) -> AdamState:
     (float tensors, as torch's), handed to torch's kernel, which increments them; ``count`` counts
     every update (the step of the learning-rate schedule, as a ``LambdaLR``'s ``last_epoch``).
     """
+    device = _device_of(flatten(params)[1])
+    on_device = device is not None and _on_device(hp, device)
     steps = map_with_path(
-        lambda _, p: torch.zeros((), dtype=_get_scalar_dtype()) if p.is_floating_point() else None,
+        lambda _, p: (
+            torch.zeros((), dtype=_get_scalar_dtype(), device=p.device if on_device else None)
+            if p.is_floating_point()
+            else None
+        ),
         params,
     )
-    return AdamState(_count(), _zeros(params), _zeros(params), steps)
+    count = _count(device if on_device else None)
+    return AdamState(count, _zeros(params), _zeros(params), steps)
 
 
 @torch.no_grad()
 def _adam_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
     _check_state(hp.name, state, AdamState)
     pairs, fields = _pair(hp.name, grads, params, {"mu": state.mu, "nu": state.nu})
-    steps = _writable(_leaf_steps(hp.name, state, pairs), pairs.active, inplace)
-    count = _count_of(hp.name, state)
-    lr = _lr_at(hp, count)
+    steps = _leaf_steps(hp.name, state, pairs)
+    device = _device_of([pairs.params[i] for i in pairs.active])
+    on_device = device is not None and _on_device(hp, device) and not compiling()
+    if on_device:  # see [Note: counts on the device]
+        state = _counts_to(hp.name, state, steps, pairs, device)
+        steps = _leaf_steps(hp.name, state, pairs)
+        count = state.count
+        lr = _device_lr(hp, count, device)
+        device_kw = {"capturable": _capturable_kernel(hp, device)}
+    else:
+        count = _count_of(hp.name, state)
+        lr = _lr_at(hp, count)
+        device_kw = {}
+    steps = _writable(steps, pairs.active, inplace)
     mu, nu = (
         _writable(fields["mu"], pairs.active, inplace),
         _writable(fields["nu"], pairs.active, inplace),
     )
     targets = _writable(pairs.params, pairs.active, inplace)
+    traced = not on_device and isinstance(count, torch.Tensor)  # under torch.compile
     for weight_decay, idx in _groups(hp, pairs):
         lists = (
             [local(targets[i]) for i in idx],
@@ -304,7 +340,7 @@ def _adam_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
             [local(nu[i]) for i in idx],
         )
         leaf_steps = [steps[i] for i in idx]  # incremented by the kernel
-        if isinstance(count, torch.Tensor):  # see [Note: the optimizer in a compiled step]
+        if traced:  # see [Note: the optimizer in a compiled step]
             kw = dict(lr=lr, weight_decay=weight_decay, foreach=hp.foreach, options=hp.options)
             opaque.adam(*lists, leaf_steps, **kw)
             continue
@@ -312,7 +348,7 @@ def _adam_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
             lists = (lists[0], opaque.dense(lists[1]), *lists[2:])
         torch_adam(
             *lists, [], leaf_steps, foreach=hp.foreach, lr=lr, weight_decay=weight_decay,
-            **dict(hp.options),
+            **dict(hp.options), **device_kw,
         )  # fmt: skip
     if inplace:
         state.count.add_(1)
@@ -407,8 +443,103 @@ def _zeros(params: PyTree) -> PyTree:
     )
 
 
-def _count() -> torch.Tensor:
-    return torch.zeros((), dtype=torch.int64)
+def _count(device: torch.device | None = None) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.int64, device=device)
+
+
+def _device_of(leaves: list) -> torch.device | None:
+    """The device of the first floating-point tensor among ``leaves`` (a DTensor's local one)."""
+    for x in leaves:
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return local(x).device
+    return None
+
+
+def _on_device(hp: _Hyper, device: torch.device) -> bool:
+    """Whether this optimizer keeps its step counts on ``device``.
+
+    [Note: counts on the device]
+    By default the count and the per-leaf steps are CPU tensors, read on the host (torch.optim's
+    default too): a schedule gets an int, the kernel the bias corrections as numbers. With
+    ``capturable=True``, or ``fused=True`` on a GPU (torch's fused kernel reads its steps on the
+    device), ``init`` puts them on the parameters' device and no step reads them on the host:
+    the kernel increments the steps, ``count.add_(1)`` the count, a schedule is called with the
+    count tensor (see [Note: schedules of a tensor count] in ``_schedules``) and its 0-dim result
+    (float32, as torch.optim holds a tensor lr) goes to the kernel on the device, where torch's
+    ``capturable=True`` kernel computes the bias corrections. The step is then the same on every
+    call whatever the counts say, which a CUDA graph needs (see [Note: no capture of host
+    counts]), and it waits for nothing on the host. A state made with host counts (a checkpoint
+    of an optimizer without these options) is moved to the device by its first eager step. On
+    CPU the same path runs with CPU counts (a number is read from them: torch has no capturable
+    CPU kernel), which lets CPU tests check it against the host path.
+    """
+    return hp.capturable or (bool(dict(hp.options).get("fused")) and device.type != "cpu")
+
+
+def _capturable_kernel(hp: _Hyper, device: torch.device) -> bool:
+    """torch's ``capturable=`` for the kernel: its device-count arithmetic where torch has it
+    (not for the fused kernel, which reads device counts anyway, nor on CPU)."""
+    fused = bool(dict(hp.options).get("fused"))
+    return hp.capturable and not fused and device.type in _get_capturable_supported_devices()
+
+
+def _counts_to(name: str, state, steps: list, pairs: _Pairs, device: torch.device):
+    """``state`` with its count and the active leaves' steps on ``device``: as it is when they
+    are there already, else moved (a state saved with host counts, or made by an optimizer
+    without ``capturable``/``fused``).
+
+    Raises:
+        RuntimeError: they must move while a CUDA graph is being captured.
+    """
+    moved = [i for i in pairs.active if steps[i].device != device]
+    if state.count.device == device and not moved:
+        return state
+    if capturing():
+        where = state.count.device if state.count.device != device else steps[moved[0]].device
+        raise RuntimeError(
+            f"{name}: the optimizer state's step counts are on {where}, but this optimizer "
+            f"keeps them on the parameters' device ({device}) and the step is being captured "
+            "into a CUDA graph, where they cannot be moved (a state saved with host counts, or "
+            "made by an optimizer without capturable=True). Run one step before the capture "
+            "(it moves them), or make the state with this optimizer's init."
+        )
+    new = list(steps)
+    for i in moved:
+        new[i] = steps[i].to(device)
+    tree = unflatten(pairs.spec, new)
+    return state._replace(count=state.count.to(device), steps=tree)
+
+
+def _device_lr(hp: _Hyper, count: torch.Tensor, device: torch.device) -> float | torch.Tensor:
+    """The learning rate of an update whose count is a tensor on ``device``: a number as it is;
+    a schedule's value, computed from the count by torch ops, as a 0-dim float32 tensor on the
+    device (on CPU: as it is for the fused kernel, else a number); a tensor ``lr`` read there
+    at every step.
+
+    Raises:
+        RuntimeError: a CPU tensor ``lr`` while a CUDA graph is captured (a replay would not read
+            it).
+    """
+    if isinstance(hp.lr, float):
+        return hp.lr
+    if isinstance(hp.lr, torch.Tensor):
+        value = hp.lr.detach().reshape(())
+        if value.device != device and capturing():
+            raise RuntimeError(
+                f"{hp.name}: lr is a tensor on {value.device} but the step is being captured "
+                f"into a CUDA graph on {device}, whose replays would not read it; put the lr "
+                f"tensor on {device} (and change it in place between steps), or pass a number "
+                "or a schedule."
+            )
+    else:
+        value = _traced_lr(hp, count)
+        if not isinstance(value, torch.Tensor):
+            return value
+    if device.type != "cpu":
+        return value.to(device=device, dtype=_get_scalar_dtype())
+    if dict(hp.options).get("fused"):
+        return value  # torch's fused CPU kernel reads it itself
+    return _checked_lr(hp, "this step", float(value))
 
 
 def _count_of(name: str, state) -> int | torch.Tensor:
@@ -428,7 +559,7 @@ def _count_of(name: str, state) -> int | torch.Tensor:
     """
     if compiling():
         return state.count
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if capturing():
         # [Note: no capture of host counts]
         # The count and the per-leaf steps are CPU tensors, read and incremented on the host:
         # a CUDA graph records only the device work, so every replay would repeat the captured
@@ -437,9 +568,9 @@ def _count_of(name: str, state) -> int | torch.Tensor:
         raise RuntimeError(
             f"{name}: the optimizer step is being captured into a CUDA graph, but its step "
             "counts live on the host, which a graph replay does not update (every replay would "
-            "reuse the captured step's bias correction and learning rate). Capture the forward "
-            "and backward only and run fs.optim.step outside the graph, or compile the step "
-            "with torch.compile, whose graph reads the counts at run time."
+            "reuse the captured step's bias correction and learning rate). Make the optimizer "
+            "with capturable=True (adam, adamw: the counts on the device), or capture the "
+            "forward and backward only and run fs.optim.step outside the graph."
         )
     return int(state.count)
 
