@@ -33,7 +33,9 @@ An error raised by one rank's update is announced to the others the same way (se
 in ``_consensus``). Records are kept per process (the exchange is per process too), at most
 :data:`_KEPT` of them between two checks, and only while a process group of more than one rank
 is initialised. Not under ``torch.compile`` (a compiled step runs the update as part of its
-graph).
+graph), nor while ``fs.cuda_graph`` captures a step: its warm-up steps leave records, which the
+capture's own check carries; a replay runs no check (the step counts a record reads are host
+tensors, and a graph cannot read the host). Counts kept on the device are not read (no sync).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ._compile import compiling
+from ._mode import capturing
 
 _KEPT = 64  # records kept between two checks (the oldest are counted, not kept)
 _PENDING: list[str] = []  # this process's records since its last check
@@ -69,7 +72,8 @@ def recorded(fn: Callable, update: Callable) -> Callable:
 
     @functools.wraps(fn)
     def run(grads, state, params=None):
-        if compiling() or _INSIDE.get() or not _shared(grads):
+        # a captured step checks once, at its capture (see [Note: capture is a mode])
+        if compiling() or capturing() or _INSIDE.get() or not _shared(grads):
             return fn(grads, state, params)
         from ._consensus import failing  # here: _consensus imports this module
 
@@ -92,7 +96,7 @@ def before_collective(what: str) -> None:
     Raises:
         ValueError: on every rank, when the ranks' records differ.
     """
-    if not _PENDING or compiling():
+    if not _PENDING or compiling() or capturing():
         return
     from ._consensus import agree
 
