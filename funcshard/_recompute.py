@@ -206,7 +206,7 @@ class _Call:
         self.module, self.forward = module, forward
         self.spec, self.leaves, self.at = args
         self.names, self.is_buffer = names, is_buffer
-        self.out_spec = self.out_leaves = self.differentiable = None
+        self.out_spec = self.out_at = self.out_leaves = self.differentiable = None
         self.cpu_rng = torch.get_rng_state()
         self.device_type = DefaultDeviceType.get_device_type()
         self.devices, self.device_rng = get_device_states(*tensors)
@@ -234,15 +234,26 @@ class _Call:
         out = tuple(x for x in out_leaves if isinstance(x, torch.Tensor))
         if self.out_spec is None:
             self.out_spec = out_spec
+            # the tensors' positions are kept apart from the other leaves: any leaf (None
+            # among them: T5's blocks return (hidden, bias, None)) comes back as it was
+            self.out_at = tuple(i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor))
             self.out_leaves = [None if isinstance(x, torch.Tensor) else x for x in out_leaves]
             self.differentiable = tuple(_differentiable(t) for t in out)
         return out
 
     def outputs(self, tensors) -> Any:
         """The module's output, from the Function's output tensors."""
-        tensors = iter(tensors)
-        leaves = [next(tensors) if x is None else x for x in self.out_leaves]
+        leaves = list(self.out_leaves)
+        for i, t in zip(self.out_at, tensors, strict=True):
+            leaves[i] = t
         return optree.tree_unflatten(self.out_spec, leaves)
+
+    def copied_buffers(self, tensors: list) -> list:
+        """``tensors`` with the buffers copied: updated in place once, by the forward (see the
+        Note). Copied where the recompute runs (inside ``torch.func.vjp``'s level, which refuses
+        in-place updates of a tensor from outside it)."""
+        n = len(self.at)
+        return [t.clone() if j >= n and self.is_buffer[j - n] else t for j, t in enumerate(tensors)]
 
     @contextlib.contextmanager
     def replay(self) -> Iterator[None]:
@@ -280,10 +291,6 @@ class _Recompute(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         call: _Call = ctx.call
         tensors = list(ctx.saved_tensors)
-        n = len(call.at)
-        for j, buffer in enumerate(call.is_buffer):
-            if buffer:  # updated in place once, by the forward (see the Note)
-                tensors[n + j] = tensors[n + j].clone()
         wanted = [i for i, need in enumerate(ctx.needs_input_grad[1:]) if need]
         with call.replay():
             found = _vjp(call, tensors, wanted, grads)
@@ -308,6 +315,8 @@ def _vjp(call: _Call, tensors: list, wanted: list[int], grads) -> tuple:
         inputs = list(tensors)
         for i in wanted:
             inputs[i] = tensors[i].detach().requires_grad_()
+        leaves = inputs
+        inputs = call.copied_buffers(leaves)
         with torch.enable_grad(), call.bound(inputs):  # bound until the grads are taken
             outs = [o for o in call.run(inputs) if _differentiable(o)]
             pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad]
@@ -315,7 +324,7 @@ def _vjp(call: _Call, tensors: list, wanted: list[int], grads) -> tuple:
                 return (None,) * len(wanted)
             return torch.autograd.grad(
                 [o for o, _ in pairs],
-                [inputs[i] for i in wanted],
+                [leaves[i] for i in wanted],
                 [torch.zeros_like(o) if g is None else g for o, g in pairs],
                 allow_unused=True,
             )
@@ -324,6 +333,7 @@ def _vjp(call: _Call, tensors: list, wanted: list[int], grads) -> tuple:
         inputs = list(tensors)
         for i, t in zip(wanted, chosen, strict=True):
             inputs[i] = t
+        inputs = call.copied_buffers(inputs)
         with call.bound(inputs):
             return tuple(o for o in call.run(inputs) if _differentiable(o))
 
