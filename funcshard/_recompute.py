@@ -278,7 +278,11 @@ class _Recompute(torch.autograd.Function):
     @staticmethod
     def forward(call: _Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         with call.bound(tensors):
-            return call.run(tensors)
+            out = call.run(tensors)
+        # an input passed on as it came (T5's blocks return the position bias they are given)
+        # goes out as a view: autograd refuses to save an input that is also an output
+        given = {id(t) for t in tensors}
+        return tuple(o.view_as(o) if id(o) in given else o for o in out)
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:

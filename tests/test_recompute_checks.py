@@ -79,15 +79,16 @@ class PluralNet(nn.Module):
         return self.head(h)
 
 
-def plural(mode, batchnorm):
-    """Recomputed blocks returning ``(hidden, None, {...})``: the unsharded model's gradients."""
+def plural(mode, batchnorm, net=PluralNet):
+    """Recomputed blocks returning ``(hidden, None, {...})`` (or ``net``'s): the unsharded
+    model's gradients."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = make(PluralNet, batchnorm=batchnorm)
-    sharded, buffers, plan = _setup(model, Plural, recompute=True)
+    model = make(net, batchnorm=batchnorm)
+    sharded, buffers, plan = _setup(model, type(model.blocks[0]), recompute=True)
     apply = fs.schedule(model, plan)
     batch = tokens(rank)
     grads = _grads(mode, lambda p: lm_loss(apply(p, batch, buffers=buffers), batch), sharded)
-    reference = make(PluralNet, batchnorm=batchnorm)
+    reference = make(net, batchnorm=batchnorm)
     _, ref, _ = reference_step(reference, [tokens(r) for r in range(world)])
     return _err(grads, ref)
 
@@ -98,3 +99,30 @@ def test_outputs_that_are_not_tensors(world2, mode, batchnorm):
     """With BatchNorm the group runs through funcshard's Function under plain autograd too;
     without, through torch.utils.checkpoint."""
     assert max(world2.run(plural, mode, batchnorm)) < 1e-6
+
+
+class PassingOn(Plural):
+    """A block that returns an input as it came, next to its output (T5's blocks return the
+    position bias they are given)."""
+
+    def forward(self, x, bias):
+        return super().forward(x, bias)[0], bias
+
+
+class PassingOnNet(PluralNet):
+    def __init__(self, batchnorm: bool, d=8) -> None:
+        super().__init__(d=d)
+        self.blocks = nn.ModuleList(PassingOn(d, batchnorm) for _ in range(2))
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        bias = h.mean(-1, keepdim=True)
+        for block in self.blocks:
+            h, bias = block(h, bias)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("batchnorm", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+def test_an_input_returned_as_it_came(world2, mode, batchnorm):
+    assert max(world2.run(plural, mode, batchnorm, PassingOnNet)) < 1e-6
