@@ -1,7 +1,10 @@
-"""Real models nobody on the project wrote, on 2 gloo ranks: Hugging Face ``transformers`` GPT-2
-(tied head) and Llama built from small configs (no download), each with and without activation
-checkpointing (``torch.utils.checkpoint`` per layer), and a ResNet-18-shaped network with
-BatchNorm (``_models.ResNet``: torchvision's wheels for our torch are CUDA builds).
+"""Real models nobody on the project wrote, on 2 gloo ranks: Hugging Face ``transformers`` models
+built from small configs (no download): GPT-2 (tied head) and Llama, each with and without
+activation checkpointing (``torch.utils.checkpoint`` per layer); T5 (an encoder-decoder), Mixtral
+(a mixture of experts: each layer's experts a group of their own, stored on an expert mesh),
+BERT (a masked LM, its head tied to the embeddings) and ViT (image classification), each with and
+without the plan's recompute; and a ResNet-18-shaped network with BatchNorm (``_models.ResNet``:
+torchvision's wheels for our torch are CUDA builds).
 
 Each goes through the documented pattern (``fs.extract``, ``module.to("meta")``, ``fs.shard``,
 ``fs.plan`` + ``fs.schedule``, ``fs.unshard`` + ``fs.functional_call``, ``fs.reduce``,
@@ -9,7 +12,8 @@ Each goes through the documented pattern (``fs.extract``, ``module.to("meta")``,
 global batch (loss, every gradient, the buffers), FSDP2 (``fully_shard`` per block + root; also
 in bf16 with float32 reductions, collectives counted), ``torch.optim.AdamW`` on the unsharded
 model for a few ``fs.optim.adamw`` steps (also with the module's own stale weights left in
-place), a plan recorded from real inputs, and ``torch.func.grad`` over the DTensor tree.
+place), a plan recorded from real inputs (given as keywords, as a user passes a batch), and
+``torch.func.grad`` over the DTensor tree.
 
 [Note: the ResNet's reference]
 BatchNorm in training mode normalises over each rank's own batch, so the gradient of the global
