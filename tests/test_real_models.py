@@ -43,7 +43,7 @@ from _models import BasicBlock, ResNet
 
 VOCAB, LENGTH, BATCH = 96, 8, 2  # per-rank batch: BATCH sequences of LENGTH tokens
 MODELS = ["gpt2", "gpt2-ckpt", "llama", "llama-ckpt", "resnet"]
-# more families, each also with "-recompute": every block recomputed by the plan
+# more families, each also with "-recompute": the plan recomputes the blocks (see plan_of)
 FAMILIES = ["t5", "mixtral", "bert", "vit"]
 MASK_ID = VOCAB - 1  # BERT's [MASK] token
 
