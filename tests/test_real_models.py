@@ -516,7 +516,7 @@ def test_gradients(world2, name, path):
     [
         *[("gpt2", True), ("gpt2-ckpt", False), ("llama", False), ("llama-ckpt", True)],
         *[(name, False) for name in FAMILIES],
-        *[(name, True) for name in RECOMPUTED],  # the recompute's re-gather is backward's
+        *[(name, True) for name in RECOMPUTED],  # the recompute: backward's one re-gather
     ],
 )
 def test_bf16_matches_fsdp2(world2, name, reshard):
