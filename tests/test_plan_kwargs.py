@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from test_real_models import batch, block_type, build
+from test_real_models import batch, block_types, build
 from test_record_real import POLICY, _setup, _x
 from torch import nn
 
@@ -75,7 +75,7 @@ def hf_keyword_only(name: str):
     params, buffers = fs.extract(model)
     sharded = fs.shard(params, mesh(dist.get_world_size()))
     model.to("meta")
-    policy = fs.policy.by_type(block_type(model))
+    policy = fs.policy.by_type(*block_types(model))
     b = batch(name, dist.get_rank())  # input_ids, attention_mask (padded), labels
     unmasked = {k: v for k, v in b.items() if k != "attention_mask"}
     on_meta = fs.plan(model, policy, example_kwargs=unmasked)
