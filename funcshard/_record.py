@@ -61,7 +61,11 @@ def record_order(
         ValueError: with ``sharded``: a parameter of the groups is missing from it; ranks
             used their groups in different orders (on every rank).
     """
-    args = example_args if isinstance(example_args, tuple) else (example_args,)
+    # keyword-only examples (example_args None) call the forward with no positional argument
+    if example_args is None:
+        args = ()
+    else:
+        args = example_args if isinstance(example_args, tuple) else (example_args,)
     kwargs = example_kwargs or {}
     if sharded is not None:
         return _real_run(module, groups, sharded, buffers, args, kwargs, fn)

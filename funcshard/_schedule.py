@@ -621,7 +621,8 @@ class _Run:
                 f"funcshard: rank {dist.get_rank()}: group {group!r} used out of the planned "
                 f"{cursor.phase.compute} order (planned: {cursor.current()!r}); gathering it on "
                 "demand. "
-                "Record the plan with example_args like this call's, or pass order= to fs.plan. "
+                "Record the plan with example inputs like this call's (fs.plan(..., "
+                "example_args=(...), example_kwargs={...})), or pass order= to fs.plan. "
                 "If other ranks take another path (data-dependent control flow), their "
                 "collectives no longer match: the run fails at the process group's timeout (see "
                 "docs/failures.md).",

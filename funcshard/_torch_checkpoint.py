@@ -80,6 +80,35 @@ def bind(frame: Any, rebind: _Rebind) -> None:
     frame.recompute_fn = recompute
 
 
+def name_failures(frame: Any, error: Callable[[BaseException], BaseException]) -> None:
+    """Make ``frame``'s recompute raise ``error(e) from e`` for any error ``e`` it raises, and
+    for torch's own check that it saved the tensors the forward saved (``CheckpointError``).
+    Once per frame; torch's early stop (an internal exception) passes through."""
+    if getattr(frame, "_funcshard_named", False):
+        return
+    frame._funcshard_named = True
+    recompute, check = frame.recompute_fn, frame.check_recomputed_tensors_match
+
+    def recompute_named(*args: Any) -> None:
+        try:
+            recompute(*args)
+        except _ckpt._StopRecomputationError:
+            raise
+        except Exception as e:
+            raise error(e) from e
+
+    def check_named(gid: Any) -> None:
+        try:
+            check(gid)
+        except _ckpt.CheckpointError as e:
+            raise error(e) from e
+
+    bound = getattr(recompute, "_funcshard_bound", False)  # see bind
+    recompute_named._funcshard_bound = bound  # type: ignore[attr-defined]
+    frame.recompute_fn = recompute_named
+    frame.check_recomputed_tensors_match = check_named
+
+
 def reparametrized(module: nn.Module, slots: dict[str, Any]) -> contextlib.AbstractContextManager:
     """``module`` with ``slots`` swapped in (one name per slot, see ``_extract._one_per_slot``)
     until the context exits: what ``torch.func.functional_call`` does around its call."""

@@ -3,6 +3,8 @@ issued them: functional ops (``torch.func`` paths) or in-place ops (overlapped g
 
 from __future__ import annotations
 
+import collections
+
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -45,3 +47,8 @@ class Collectives(TorchDispatchMode):
 
     def count(self, kind: str) -> int:
         return sum(1 for k, _, _ in self.sent if k == kind)
+
+    def counts(self) -> dict[str, int]:
+        """How many of each kind, as :func:`counts` (without CommDebugMode's module hooks,
+        which fail on some transformers models: T5's decoder, ViT)."""
+        return dict(collections.Counter(k for k, _, _ in self.sent))

@@ -68,6 +68,7 @@ AREAS = {
     "_record.py": SCHEDULE,
     "_schedule.py": SCHEDULE,
     "_recompute.py": SCHEDULE,
+    "_torch_checkpoint.py::name_failures": SCHEDULE,  # the plan's recompute
     "_collectives.py": TORCH_FUNC,
     "_flat.py": TORCH_FUNC,
     "_materialize.py": INIT,
@@ -101,6 +102,20 @@ INDIRECT = {
     "_autodiff.py::value_and_grad.wrapped": ("TypeError", ["inside another fs value_and_grad"]),
     "checkpoint/_load.py::load": ("RuntimeError", ["is damaged key", "reading the data of"]),
     "testing/_reference.py::assert_close": ("AssertionError", ["does not match the structure"]),
+    # _recompute.differed
+    "_recompute.py::_Call.run": ("RuntimeError", ["recomputed differently from its forward"]),
+    "_recompute.py::_Unkept.__torch_function__": (
+        "RuntimeError",
+        ["recomputed differently from its forward", "computed from its inputs and kept"],
+    ),
+    "_torch_checkpoint.py::name_failures.check_named": (
+        "RuntimeError",
+        ["recomputed differently from its forward"],
+    ),
+    "_torch_checkpoint.py::name_failures.recompute_named": (
+        "RuntimeError",
+        ["recomputed differently from its forward"],
+    ),
 }
 
 

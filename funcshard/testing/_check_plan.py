@@ -64,7 +64,8 @@ class PlanCheck:
         if self.out_of_order:
             lines.append(
                 "  Record the order from inputs like the real ones "
-                "(fs.plan(..., example_args=...)), or pass order= to fs.plan."
+                "(fs.plan(..., example_args=(...), example_kwargs={...})), or pass order= to "
+                "fs.plan."
             )
         if self.never_used:
             lines.append(
