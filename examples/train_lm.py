@@ -91,8 +91,9 @@ class Config:
     save_every: int = _flag(0, "save a checkpoint every this many steps (and at the end)")
     resume: bool = _flag(False, "continue from the newest checkpoint in --ckpt-dir")
     stop_at: int = _flag(0, "stop after this step, as if the job were killed (to try --resume)")
-    max_restarts: int = _flag(0, "restart the ranks up to this many times when one fails; "
-                              "they resume from the newest checkpoint in --ckpt-dir")  # fmt: skip
+    max_restarts: int = _flag(0, "restart the ranks up to this many times when one fails; they "
+                              "resume from the newest checkpoint in --ckpt-dir (under torchrun: "
+                              "torchrun's --max-restarts)")  # fmt: skip
     ranks: int | None = _flag(None, "ranks to start on this machine (default: 2; under "
                               "torchrun, its --nproc-per-node decides)")  # fmt: skip
     timeout_min: float = _flag(10.0, "minutes a rank waits for the others before failing")
@@ -201,8 +202,15 @@ def launch(argv: list[str]) -> int:
 
     ``--help`` and usage errors exit here (``SystemExit``) before torch is imported."""
     cfg = parse(argv, world=_LAUNCHER_DEFAULT_RANKS)
-    world = cfg.ranks or _LAUNCHER_DEFAULT_RANKS
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # ranks that share the cores: 1 thread each
+    try:
+        return _start_ranks(cfg, argv)
+    except KeyboardInterrupt:  # Ctrl-C before torchrun's launcher took over the signal
+        print("train_lm.py: stopped by Ctrl-C before the ranks started", file=sys.stderr)
+        return 128 + signal.SIGINT
+
+
+def _start_ranks(cfg: Config, argv: list[str]) -> int:
     import funcshard as fs  # torch, now that the command line is checked
 
     if cfg.ckpt_dir and (wrong := checkpoint_problem(cfg, fs.checkpoint.latest(cfg.ckpt_dir))):
@@ -214,10 +222,10 @@ def launch(argv: list[str]) -> int:
     for name, logger in logging.Logger.manager.loggerDict.items():
         if name.startswith("torch.distributed.elastic") and isinstance(logger, logging.Logger):
             logger.setLevel(logging.ERROR)  # not each signal it forwards: the ranks say it
-    script = os.path.abspath(__file__)
+    world = cfg.ranks or _LAUNCHER_DEFAULT_RANKS
     options = ["--standalone", f"--nproc-per-node={world}", f"--max-restarts={cfg.max_restarts}"]
     try:
-        torchrun.run(torchrun.parse_args([*options, script, *argv]))
+        torchrun.run(torchrun.parse_args([*options, os.path.abspath(__file__), *argv]))
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         how = (f"signal {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0
@@ -226,8 +234,8 @@ def launch(argv: list[str]) -> int:
         print(f"train_lm.py: rank {rank} failed with {how}{tries}; its error is above",
               file=sys.stderr)  # fmt: skip
         return 1
-    except (SignalException, KeyboardInterrupt):
-        return 128 + signal.SIGINT  # the ranks said where they stopped
+    except SignalException as e:  # Ctrl-C: torchrun passed it on to the ranks, which said the rest
+        return 128 + e.sigval
     return 0
 
 
