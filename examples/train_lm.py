@@ -853,8 +853,9 @@ def summary(result: Result, cfg: Config, seconds: float, wall: float) -> str:
         )
     if result.heldout:
         (s0, first), (s1, last) = result.heldout[0], result.heldout[-1]
+        change = f"{first:.3f} at step {s0} -> " if len(result.heldout) > 1 else ""
         lines.append(
-            f"held-out loss {first:.3f} at step {s0} -> {last:.3f} at step {s1} (uniform: "
+            f"held-out loss {change}{last:.3f} at step {s1} (uniform: "
             f"{math.log(result.vocab):.3f}; entropy of the bytes: {result.entropy:.3f})"
         )
     if result.heldout_ema:
