@@ -246,8 +246,10 @@ def test_bf16_parameters_follow_fp32(world2):
     assert bf16.losses != fp32.losses  # the forward did run in bf16
 
 
-# Runs to interrupt: long enough to be stopped mid-way; a checkpoint every 10 steps.
-LONG = [*TINY, "--steps", "120", "--save-every", "10", "--eval-every", "60"]
+# Runs to interrupt: long enough to be stopped mid-way, even on fast cores (a step of this model
+# takes milliseconds; the first checkpoint comes after 10 of its STEPS); a checkpoint every 10.
+STEPS = 200
+LONG = [*TINY, "--steps", str(STEPS), "--save-every", "10", "--eval-every", "100"]
 
 
 def _records(path: Path) -> dict[str, list]:
@@ -290,7 +292,7 @@ def _first_checkpoint(process: subprocess.Popen, folder: Path, out: Path) -> str
     while (found := fs.checkpoint.latest(folder)) is None:
         assert process.poll() is None, out.read_text()[-3000:]
         assert time.monotonic() < deadline, "no checkpoint after 240 s"
-        time.sleep(0.05)
+        time.sleep(0.01)
     return found
 
 
@@ -315,11 +317,11 @@ def test_ctrl_c_stops_cleanly_saves_and_says_how_to_resume(tmp_path, uninterrupt
     assert process.wait(timeout=120) == 128 + signal.SIGINT, out.read_text()[-3000:]
     output = out.read_text()
     assert "Traceback" not in output and "Error" not in output, output[-3000:]
-    stop = re.search(r"stopped by Ctrl-C after step (\d+) of 120; saved (\S+)\. To resume:\n"
-                     r"  (.+)\n", output)  # fmt: skip
+    stop = re.search(rf"stopped by Ctrl-C after step (\d+) of {STEPS}; saved (\S+)\. To resume:"
+                     r"\n  (.+)\n", output)  # fmt: skip
     assert stop, output[-3000:]
     step = int(stop[1])
-    assert 10 <= step < 120 and stop[2] == fs.checkpoint.latest(ckpt)
+    assert 10 <= step < STEPS and stop[2] == fs.checkpoint.latest(ckpt)
     assert stop[2].endswith(f"step_{step:06d}")
     command = shlex.split(stop[3])
     assert command[-1] == "--resume" and command[-1 - len(args) : -1] == args
@@ -328,8 +330,27 @@ def test_ctrl_c_stops_cleanly_saves_and_says_how_to_resume(tmp_path, uninterrupt
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     records = _records(metrics)
     assert records["start"] == [(0, 0), (step, 0)]
-    assert records["loss"] == uninterrupted["loss"]  # steps 1..step, then step + 1..120
+    assert records["loss"] == uninterrupted["loss"]  # steps 1..step, then the rest
     assert records["heldout"] == uninterrupted["heldout"]
+
+
+def test_ctrl_c_message(monkeypatch):
+    """What rank 0 prints after Ctrl-C: without --ckpt-dir, how to be able to resume; with it,
+    the command, which names the ranks when they are not the launcher's default."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    cfg = train_lm.parse(TINY)
+    result = train_lm.Result({}, 3, [], [], 0, 0.0, None, [], interrupted=True)
+    assert train_lm.stopped(cfg, result, TINY, 2) == (
+        "stopped by Ctrl-C after step 3 of 6; nothing was saved (no --ckpt-dir): to be able to "
+        "resume a run, give it --ckpt-dir DIR (and --save-every N)"
+    )
+    saved = result._replace(saved="runs/a/step_000003")
+    message = train_lm.stopped(cfg, saved, [*TINY, "--ckpt-dir", "runs/a"], 4)
+    where, command = message.split("\n  ")
+    assert where == "stopped by Ctrl-C after step 3 of 6; saved runs/a/step_000003. To resume:"
+    python, script, *args = shlex.split(command)
+    assert Path(python).samefile(sys.executable) and Path(script).samefile(EXAMPLE)
+    assert args == [*TINY, "--ckpt-dir", "runs/a", "--resume", "--ranks", "4"]
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the ranks in /proc")
@@ -351,7 +372,7 @@ def test_restart_after_a_rank_dies_resumes_by_itself(tmp_path, uninterrupted):
     resumed_at = records["start"][1][0]
     assert resumed_at >= 10 and resumed_at % 10 == 0
     assert f"(restart 1): resuming from {ckpt}/step_{resumed_at:06d}" in out.read_text()
-    first = records["loss"][: len(records["loss"]) - (120 - resumed_at)]
+    first = records["loss"][: len(records["loss"]) - (STEPS - resumed_at)]
     assert first == uninterrupted["loss"][: len(first)]  # the first attempt, until rank 1 died
     assert len(first) >= resumed_at  # it got past the checkpoint it was resumed from
     after = records["loss"][len(first) :]
