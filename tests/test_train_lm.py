@@ -114,11 +114,9 @@ def test_bad_flag_is_one_error_before_any_rank_starts():
                          capture_output=True, text=True, timeout=60, env=ENV)  # fmt: skip
     errors = [line for line in run.stderr.splitlines() if not line.startswith("import time:")]
     assert run.returncode == 2 and run.stdout == ""
-    assert errors == [
-        "usage: train_lm.py [flags]  (every flag: --help)",
-        "train_lm.py: error: argument --optimizer: invalid choice: 'sgd' (choose from 'adamw', "
-        "'muon')",
-    ]
+    assert len(errors) == 2 and errors[0] == "usage: train_lm.py [flags]  (every flag: --help)"
+    assert errors[1].startswith("train_lm.py: error: argument --optimizer: invalid choice: 'sgd'")
+    assert "adamw" in errors[1] and "muon" in errors[1]  # the choices
     assert not re.search(r"\| +torch\b", run.stderr)
 
 
