@@ -30,4 +30,7 @@ def test_quick_start_runs_as_written(tmp_path):
     run = subprocess.run(torchrun, cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout == shown
+    number = re.compile(r"\d+\.\d+")  # the losses: equal to the printed digits, give or take
+    assert number.sub("L", run.stdout) == number.sub("L", shown)  # one unit (another CPU)
+    for got, want in zip(number.findall(run.stdout), number.findall(shown), strict=True):
+        assert abs(float(got) - float(want)) <= 1e-4, (got, want)
