@@ -1,6 +1,7 @@
 # Two entry points for a fresh machine; each creates the virtual environment it needs.
 #   make train   -- the main job: a character-level language model trained on 2 CPU ranks (gloo);
-#                   flags go in ARGS, e.g. make train ARGS="--bf16 --steps 800"
+#                   flags go in ARGS, e.g. make train ARGS="--bf16 --steps 800" (all: --help);
+#                   the script checks them, then starts its ranks with torchrun's launcher
 #   make test    -- lint + the test suite (real gloo process groups, 2 and 4 ranks)
 #   make bench   -- the benchmark suite vs FSDP2 (BENCHMARKS.md); make bench-quick: < 1 min
 PYTHON ?= python3
@@ -17,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 train: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node 2 examples/train_lm.py $(ARGS)
+	$(BIN)/python examples/train_lm.py $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
