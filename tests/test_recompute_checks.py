@@ -319,6 +319,53 @@ def test_checkpoint_failures_are_named(failure):
     assert isinstance(e.value.__cause__, CheckpointError if failure == "saved" else ValueError)
 
 
+class LazyMask(nn.Module):
+    """Builds a causal mask on first use and keeps it on the module (a lazily built constant, as
+    rotary tables are): state written in forward, but not computed from the inputs' values."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.mask: torch.Tensor | None = None
+
+    def forward(self, x):
+        t = x.shape[1]
+        if self.mask is None or self.mask.shape[0] != t:
+            self.mask = x.new_ones(t, t).tril()
+        h = self.fc(x)
+        return x + (self.mask @ h) / t
+
+
+class LazyMaskNet(CountingNet):
+    def __init__(self, vocab=37, d=8, layers=2) -> None:
+        super().__init__(vocab, d, layers)
+        self.blocks = nn.ModuleList(LazyMask(d) for _ in range(layers))
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def lazy_constant(mode):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make(LazyMaskNet)
+    sharded, buffers, plan = _setup(model, LazyMask, recompute=True)
+    apply = fs.schedule(model, plan)
+    b = tokens(rank)
+    grads = _grads(mode, lambda p, bufs: lm_loss(apply(p, b, buffers=bufs), b), sharded, buffers)
+    _, ref, _ = reference_step(make(LazyMaskNet), [tokens(r) for r in range(world)])
+    return _err(grads, ref)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_state_that_is_not_computed_from_the_inputs_is_allowed(world2, mode):
+    """A constant built on first use and kept (a mask, a rotary table) is read by the recompute
+    as by the forward: no error, the unsharded model's gradients."""
+    assert max(world2.run(lazy_constant, mode)) < 1e-6
+
+
 # --- under torch.compile ------------------------------------------------------------------------
 
 
