@@ -83,7 +83,8 @@ def bind(frame: Any, rebind: _Rebind) -> None:
 def name_failures(frame: Any, error: Callable[[BaseException], BaseException]) -> None:
     """Make ``frame``'s recompute raise ``error(e) from e`` for any error ``e`` it raises, and
     for torch's own check that it saved the tensors the forward saved (``CheckpointError``).
-    Once per frame; torch's early stop (an internal exception) passes through."""
+    Once per frame; torch's early stop (an internal exception) and running out of memory pass
+    through."""
     if getattr(frame, "_funcshard_named", False):
         return
     frame._funcshard_named = True
@@ -92,7 +93,7 @@ def name_failures(frame: Any, error: Callable[[BaseException], BaseException]) -
     def recompute_named(*args: Any) -> None:
         try:
             recompute(*args)
-        except _ckpt._StopRecomputationError:
+        except (_ckpt._StopRecomputationError, torch.OutOfMemoryError):  # not a difference
             raise
         except Exception as e:
             raise error(e) from e
