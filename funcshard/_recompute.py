@@ -277,8 +277,8 @@ def _arguments(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return out
 
 
-# functions whose result's values do not depend on their arguments' values
-_SHAPE_ONLY = re.compile(r"(^new_|_like$|^size$|^dim$|^numel$|^__get__$|^stride$|^is_)")
+# factories whose result's values do not depend on their arguments' values
+_SHAPE_ONLY = re.compile(r"(^new_|_like$)")
 
 
 class _Provenance(TorchFunctionMode):
@@ -295,6 +295,8 @@ class _Provenance(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if isinstance(out, torch.Size) or not isinstance(out, (torch.Tensor, tuple, list)):
+            return out  # .shape, .dim(), ...: no tensor
         shape_only = self.shape_only.get(func)
         if shape_only is None:
             name = getattr(func, "__name__", "")

@@ -83,25 +83,33 @@ def bind(frame: Any, rebind: _Rebind) -> None:
 def name_failures(frame: Any, error: Callable[[BaseException], BaseException]) -> None:
     """Make ``frame``'s recompute raise ``error(e) from e`` for any error ``e`` it raises, and
     for torch's own check that it saved the tensors the forward saved (``CheckpointError``).
-    Once per frame; torch's early stop (an internal exception) passes through."""
+    Once per frame; torch's early stop (an internal exception) and running out of memory pass
+    through."""
     if getattr(frame, "_funcshard_named", False):
         return
     frame._funcshard_named = True
     recompute, check = frame.recompute_fn, frame.check_recomputed_tensors_match
 
+    def named(e: BaseException) -> BaseException:
+        out = error(e)
+        out._funcshard_named = True  # type: ignore[attr-defined]  # an enclosing region's too
+        return out
+
     def recompute_named(*args: Any) -> None:
         try:
             recompute(*args)
-        except _ckpt._StopRecomputationError:
+        except (_ckpt._StopRecomputationError, torch.OutOfMemoryError):  # not a difference
             raise
         except Exception as e:
-            raise error(e) from e
+            if getattr(e, "_funcshard_named", False):  # named by a region inside this one
+                raise
+            raise named(e) from e
 
     def check_named(gid: Any) -> None:
         try:
             check(gid)
         except _ckpt.CheckpointError as e:
-            raise error(e) from e
+            raise named(e) from e
 
     bound = getattr(recompute, "_funcshard_bound", False)  # see bind
     recompute_named._funcshard_bound = bound  # type: ignore[attr-defined]

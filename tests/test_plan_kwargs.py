@@ -5,6 +5,8 @@ run as the message writes it."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -36,7 +38,31 @@ def test_keyword_only_examples_on_meta():
     assert plan.order == ("second", "first")  # recorded: not the module order
     assert plan == fs.plan(net, policy, example_args=(x,))
     assert fs.testing.check_plan(net, plan, x=x, scale=2.0).ok
-    assert not fs.testing.check_plan(net, fs.plan(net, policy), x=x).ok  # the module order
+    check = fs.testing.check_plan(net, fs.plan(net, policy), x=x)  # the module order
+    assert not check.ok and "fs.plan(..., example_args=(...), example_kwargs={...})" in str(check)
+    assert fs.testing.check_plan(net, fs.plan(net, policy, example_kwargs={"x": x}), x=x).ok
+
+
+def out_of_order():
+    """The schedule's warning for a plan whose order is not the forward's, then its fix: the
+    plan recorded from inputs like the call's, as keywords."""
+    torch.manual_seed(0)
+    net = Reversed()
+    params, _ = fs.extract(net)
+    sharded = fs.shard(params, mesh(dist.get_world_size()))
+    net.to("meta")
+    policy = fs.policy.by_type(nn.Linear)
+    x = torch.randn(2, 4)
+    with pytest.warns(UserWarning, match=r"example_kwargs=\{...\}\)\), or pass order="):
+        fs.schedule(net, fs.plan(net, policy))(sharded, x=x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fs.schedule(net, fs.plan(net, policy, example_kwargs={"x": x}))(sharded, x=x)
+    return True
+
+
+def test_out_of_order_warnings_fix_works_as_written(world2):
+    assert world2.run(out_of_order) == [True, True]
 
 
 def keyword_only_real():
