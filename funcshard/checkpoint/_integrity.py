@@ -44,16 +44,18 @@ _CHUNK = 16 << 20  # bytes read at a time
 def crc32(path: str, offset: int = 0, length: int | None = None) -> int:
     """The CRC-32 of ``length`` bytes of ``path`` from ``offset`` (to the end: ``None``)."""
     crc = 0
-    with open(path, "rb") as f:
+    size = _CHUNK if length is None else max(1, min(_CHUNK, length))
+    buffer = memoryview(bytearray(size))  # read into one buffer: no allocation per chunk
+    with open(path, "rb", buffering=0) as f:
         f.seek(offset)
         left = length
         while left is None or left > 0:
-            chunk = f.read(_CHUNK if left is None else min(_CHUNK, left))
-            if not chunk:
+            n = f.readinto(buffer if left is None else buffer[: min(size, left)])
+            if not n:
                 break
-            crc = zlib.crc32(chunk, crc)
+            crc = zlib.crc32(buffer[:n], crc)
             if left is not None:
-                left -= len(chunk)
+                left -= n
     return crc
 
 
