@@ -63,7 +63,10 @@ prefetch) and lets its ``wait`` stand where the gathered tensors are first used.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
+import datetime
 import functools
 import inspect
 import math
@@ -296,12 +299,14 @@ class Started:
         if self.work is None:
             return wait(self.output)
         self.work.wait()
+        _UNFINISHED.pop(id(self.work), None)
         return self.output
 
     def transferred(self) -> None:
         """Wait for the transfer only (the output is not read yet)."""
         if self.work is not None:
             self.work.wait()
+            _UNFINISHED.pop(id(self.work), None)
 
 
 def start_all_gather(comm: Comm, pieces, after: torch.Tensor | None = None) -> Started:
@@ -329,7 +334,44 @@ def start_all_gather(comm: Comm, pieces, after: torch.Tensor | None = None) -> S
     _debug.check("all_gather", comm.group, comm.label, slot)
     with span("all_gather", comm.label):
         work = all_gather_single(output, slot, group=comm.group, async_op=True)
+    for key in [k for k, w in _UNFINISHED.items() if w.is_completed()]:
+        del _UNFINISHED[key]  # left by a call an error cut short, and finished since
+    _UNFINISHED[id(work)] = work
     return Started(output, work)
+
+
+# [Note: no collective of ours in flight at exit]
+# A c10d work carries a copy of the issuing thread's autograd thread-local state, and gloo's
+# worker thread runs the collective with that state installed, then restores its own. A gather
+# issued inside a scheduled forward carries funcshard's saved-tensor hooks (Python objects):
+# installing and restoring them takes the GIL on the worker thread. If that happens while the
+# interpreter shuts down -- a forward raised (a shape mismatch, a dtype mix, a missing buffer)
+# with a prefetch still in flight, and the script ended -- the worker thread is stopped inside
+# C++ code that must not unwind, and the process aborts (`terminate called without an active
+# exception`, SIGABRT: 8 of 50 two-rank torchrun jobs whose forward raised; 0 of 50 with what
+# follows), so torchrun reports signal 6 instead of the error. So the all-gathers funcshard
+# issues asynchronously are registered until they are waited for (every one is, unless an
+# error cut the call short: then the registry keeps it, not the call's state), and at exit,
+# before the interpreter shuts down, each one still unfinished is waited for, at most
+# `_SETTLE_S` seconds (its peers issued it too, unless they failed earlier), and released on
+# this thread. `tests/test_exit.py` runs such a script.
+_UNFINISHED: dict[int, dist.Work] = {}  # id -> work, issued and not waited for yet
+_SETTLE_S = 10.0
+
+
+@atexit.register
+def _settle() -> None:
+    """At exit: wait for the asynchronous collectives still in flight (see
+    [Note: no collective of ours in flight at exit]); a failure is not reported again."""
+    works = list(_UNFINISHED.values())
+    _UNFINISHED.clear()
+    for work in works:
+        if work.is_completed():
+            continue
+        # the peer is gone, or the wait timed out: the process ends anyway
+        with contextlib.suppress(Exception):
+            work.wait(datetime.timedelta(seconds=_SETTLE_S))
+    del works
 
 
 def refuse_jacfwd(label: str, world: int) -> None:

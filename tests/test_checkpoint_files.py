@@ -3,6 +3,9 @@ errors for damaged, foreign or mismatched checkpoints."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import json
 import os
 import subprocess
 import sys
@@ -13,7 +16,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 import funcshard as fs
 from funcshard.checkpoint import _save
@@ -72,10 +74,10 @@ CRASHES = {  # where a save stops: what it has left on disk by then
 @pytest.mark.parametrize("target", CRASHES.values(), ids=CRASHES.keys())
 def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, target):
     fs.checkpoint.save(tmp_path / "step_1", tree(1))
-    failed = pytest.raises((OSError, CheckpointException), match="crash")
+    failed = pytest.raises(OSError, match="crash")  # an Exception, not DCP's BaseException
     with mock.patch(target, side_effect=OSError("crash")), failed:
         fs.checkpoint.save(tmp_path / "step_2", tree(2))
-    assert os.path.isdir(tmp_path / ".step_2.funcshard-tmp")  # the partial save, set aside
+    assert sorted(os.listdir(tmp_path)) == ["step_1"]  # the partial save was removed
     assert fs.checkpoint.latest(tmp_path) == str(tmp_path / "step_1")
     assert same(fs.checkpoint.load(tmp_path / "step_1", like()), tree(1))
     with pytest.raises(FileNotFoundError, match="step_2"):
@@ -127,6 +129,9 @@ def test_damaged_checkpoints_are_named(tmp_path):
     path = fs.checkpoint.save(tmp_path / "meta", tree(1))
     with open(os.path.join(path, ".metadata"), "wb") as f:
         f.write(b"\x80\x04garbage")
+    with pytest.raises(RuntimeError, match=r"meta/\.metadata is damaged: its CRC-32 is"):
+        fs.checkpoint.load(path, like())
+    without_checksums(path)
     with pytest.raises(RuntimeError, match=r"meta/\.metadata is corrupted"):
         fs.checkpoint.load(path, like())
 
@@ -137,6 +142,56 @@ def test_damaged_checkpoints_are_named(tmp_path):
         fs.checkpoint.load(path, like())
     # latest reads manifests only: damage after the commit shows when loading
     assert fs.checkpoint.latest(tmp_path) == os.path.join(tmp_path, "meta")
+
+
+def without_checksums(path: str) -> None:
+    """Make ``path`` a checkpoint as saved before the manifest held checksums."""
+    with open(os.path.join(path, "funcshard.json")) as f:
+        content = json.load(f)
+    del content["checksums"]
+    with open(os.path.join(path, "funcshard.json"), "w") as f:
+        json.dump(content, f)
+
+
+def flip_bit(file: str, at: int) -> None:
+    with open(file, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0x10]))
+
+
+def test_a_flipped_bit_is_named(tmp_path):
+    path = fs.checkpoint.save(tmp_path / "ckpt", tree(1))
+    data = os.path.join(path, "__0_0.distcp")
+    items = {key: (offset, length) for offset, length, key in stored(path)}
+    offset, length = items["w"]
+    flip_bit(data, offset + length // 2)  # inside the tensor's values: torch.load reads it
+    message = rf"__0_0\.distcp is damaged: its bytes {offset}\.\.{offset + length} \(key 'w'\)"
+    with pytest.raises(RuntimeError, match=message + " have CRC-32"):
+        fs.checkpoint.load(path, like())
+    # only what is read is checked: a part that does not include 'w' loads
+    part = fs.checkpoint.load(path, {"b": torch.empty(5), "step": 0}, strict=False)
+    assert torch.equal(part["b"], tree(1)["b"]) and part["step"] == 1
+
+    path = fs.checkpoint.save(tmp_path / "scalar", tree(2))
+    offset, length = {key: (o, n) for o, n, key in stored(path)}["step"]
+    flip_bit(os.path.join(path, "__0_0.distcp"), offset + length - 3)
+    with pytest.raises(RuntimeError, match=r"__0_0\.distcp is damaged: .* \(key 'step'\)"):
+        fs.checkpoint.load(path, like())
+
+
+def stored(path: str) -> list[tuple[int, int, str]]:
+    """``(offset, length, key)`` of each item of ``path``'s data files, from DCP's metadata."""
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    return [(i.offset, i.length, k.fqn) for k, i in metadata.storage_data.items()]
+
+
+def test_checkpoints_saved_without_checksums_load(tmp_path):
+    path = fs.checkpoint.save(tmp_path / "ckpt", tree(3))
+    without_checksums(path)
+    assert same(fs.checkpoint.load(path, like()), tree(3))
+    assert fs.checkpoint.latest(tmp_path) == path
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -202,7 +257,7 @@ def test_ranks_must_agree_on_the_path(world2, tmp_path):
     assert world2.run(different_paths, str(tmp_path)) == [None, None]
 
 
-def zero_filled(directory: str) -> list:
+def zero_filled(directory: str, checksums: bool) -> list:
     m = mesh(2)
     params = fs.shard({"w": torch.randn(64, 32, generator=torch.Generator().manual_seed(0))}, m)
     path = fs.checkpoint.save(f"{directory}/ckpt", {"params": params, "step": 3})
@@ -212,6 +267,8 @@ def zero_filled(directory: str) -> list:
         size = os.path.getsize(damaged)
         with open(damaged, "wb") as f:
             f.write(bytes(size))
+        if not checksums:
+            without_checksums(path)
     dist.barrier()
     like = {"params": fs.shard({"w": torch.empty(64, 32)}, m), "step": 0}
     found = []
@@ -223,13 +280,86 @@ def zero_filled(directory: str) -> list:
     return found, fs.checkpoint.load(f"{directory}/next", {"step": 0})["step"]
 
 
-def test_a_zero_filled_data_file_is_named_on_every_rank(world2, tmp_path):
-    for found, step in world2.run(zero_filled, str(tmp_path)):
+@pytest.mark.parametrize("checksums", [True, False], ids=["checksums", "saved without"])
+def test_a_zero_filled_data_file_is_named_on_every_rank(world2, tmp_path, checksums):
+    for found, step in world2.run(zero_filled, str(tmp_path), checksums):
         assert step == 4 and len(found) == 1
         kind, message = found[0]
         assert kind == "RuntimeError", message
-        assert "__1_0.distcp is damaged: key '" in message, message
+        named = "damaged: its bytes 0.." if checksums else "damaged: key '"
+        assert f"__1_0.distcp is {named}" in message, message
         assert "weights_only" not in message
+
+
+def failing_writes(directory: str, code: int, how: str) -> list:
+    """Rank 1 cannot write its data file (``code``: ENOSPC, EACCES): what each rank sees."""
+    full = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    params = fs.shard({"w": full}, mesh(2))
+    fs.checkpoint.save(f"{directory}/step_1", {"params": params, "step": 1})
+
+    def refuse(self, path, mode):  # the error open() or write() gives
+        raise OSError(code, os.strerror(code), str(path))
+
+    create = "torch.distributed.checkpoint.filesystem.FileSystem.create_stream"
+    found = []
+    with mock.patch(create, refuse) if dist.get_rank() == 1 else contextlib.nullcontext():
+        try:
+            if how == "save":
+                fs.checkpoint.save(f"{directory}/step_2", {"params": params, "step": 2})
+            else:
+                fs.checkpoint.async_save(f"{directory}/step_2", {"params": params}).wait()
+        except Exception as e:  # DCP's CheckpointException is a BaseException: this must not be
+            found.append((type(e).__name__, getattr(e, "errno", None), str(e)))
+    found.append(sorted(os.listdir(directory)))  # no temporary directory left, on any rank
+    fs.checkpoint.save(f"{directory}/step_3", {"step": 3})  # the ranks are still in step
+    return found
+
+
+@pytest.mark.parametrize("how", ["save", "async_save"])
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EACCES], ids=["disk full", "permission"])
+def test_a_failed_write_on_one_rank_is_an_exception_on_every_rank(world2, tmp_path, code, how):
+    for error, listed in world2.run(failing_writes, str(tmp_path), code, how):
+        kind, number, message = error
+        assert kind in ("OSError", "PermissionError") and number == code, error
+        assert f"{how}: writing the checkpoint {tmp_path}/step_2 failed on rank(s) [1]" in message
+        assert os.strerror(code) in message and "Nothing was committed" in message, message
+        assert listed == ["step_1"], listed
+
+
+def test_a_directory_that_cannot_be_created(tmp_path):
+    denied = PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+    refused = pytest.raises(
+        PermissionError,
+        match=r"cannot create the temporary directory .*\(Permission denied\); make .* writable",
+    )
+    with mock.patch.object(_save.os, "makedirs", side_effect=denied), refused:
+        fs.checkpoint.save(tmp_path / "step_1", tree(1))
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs (needs root; skipped where mounting is not allowed)."""
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(tmp_path)], capture_output=True
+    )
+    if os.geteuid() != 0 or mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs: {mounted.stderr.decode().strip()}")
+    try:
+        yield tmp_path
+    finally:
+        subprocess.run(["umount", str(tmp_path)], check=True)
+
+
+def test_a_full_disk(small_disk):
+    """A real full disk: torch.save reports it as a RuntimeError whose context is the OSError."""
+    fs.checkpoint.save(small_disk / "step_1", {"w": torch.ones(64, 64), "step": 1})
+    with pytest.raises(OSError, match=r"failed on rank.* No space left on device") as caught:
+        fs.checkpoint.save(small_disk / "step_2", {"w": torch.ones(512, 512), "step": 2})
+    assert caught.value.errno == errno.ENOSPC
+    assert os.listdir(small_disk) == ["step_1"]
+    loaded = fs.checkpoint.load(small_disk / "step_1", {"w": torch.empty(64, 64), "step": 0})
+    assert loaded["step"] == 1 and torch.equal(loaded["w"], torch.ones(64, 64))
 
 
 _EXITING = """

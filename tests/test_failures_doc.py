@@ -101,6 +101,10 @@ INDIRECT = {
     "checkpoint/_comm.py::all_ok": ("RuntimeError", ["Saving wait"]),  # "rank r: <error>"
     "_autodiff.py::value_and_grad.wrapped": ("TypeError", ["inside another fs value_and_grad"]),
     "checkpoint/_load.py::load": ("RuntimeError", ["is damaged key", "reading the data of"]),
+    "checkpoint/_save.py::_prepare_directory": ("OSError", ["cannot create the temporary"]),
+    # the OSError in a failed write's chain, raised on every rank as save_failed's message
+    "checkpoint/_integrity.py::Writer.write_data": ("OSError", ["writing the checkpoint"]),
+    "checkpoint/_integrity.py::Writer.finish": ("OSError", ["writing the checkpoint"]),
     "testing/_reference.py::assert_close": ("AssertionError", ["does not match the structure"]),
     # _recompute.differed
     "_recompute.py::_Call.run": ("RuntimeError", ["recomputed differently from its forward"]),

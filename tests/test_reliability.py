@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import funcshard as fs
+from funcshard import _collectives
 
 from _comm import Collectives
 from _mesh import mesh
@@ -40,6 +41,7 @@ def long_run(mode: str, steps: int = 34, warmup: int = 4, recompute=None):
             counts.append(_live_tensors())
     # no collective left pending: c10d's registry would keep it (and warn, or abort, at exit)
     assert torch._C._distributed_c10d._get_work_registry_size() == 0
+    assert not _collectives._UNFINISHED  # every gather waited for: none left for the exit handler
     return counts
 
 

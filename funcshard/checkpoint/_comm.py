@@ -41,12 +41,18 @@ def on_rank(fn: Callable[[], Any], src: int = 0) -> Any:
 
 
 def all_ok(error: BaseException | None) -> None:
-    """Raise on every rank if any rank had an error (the first one, with its rank)."""
+    """Raise on every rank if any rank had an error (the first one, with its rank).
+
+    An error that every rank has alike (the same type and message: one DCP gathered from all
+    ranks) is raised as it is, its type kept.
+    """
     mine = None if error is None else (type(error), str(error))
     errors = [mine]
     if distributed():
         errors = [None] * rank_world()[1]
         dist.all_gather_object(errors, mine)
+    if error is not None and all(e == mine for e in errors):
+        raise error
     for r, e in enumerate(errors):
         if e is not None:
             kind, message = e

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from .._tree import PyTree, _few, unflatten
 from ._comm import distributed, rank_world
+from ._integrity import Reader, check_metadata, damaged
 from ._layout import MANIFEST, describe, flatten, rank_key, read_manifest
 from ._rng import RNGState, derive
 
@@ -50,13 +51,15 @@ def load(path: str | os.PathLike, like: PyTree, *, strict: bool = True) -> PyTre
     Raises:
         FileNotFoundError: ``path`` does not exist.
         RuntimeError: ``path`` is not a checkpoint, its manifest or ``.metadata`` is corrupted,
-            or a data file is truncated (each names the file, and the key where it applies).
+            a data file is truncated, or a byte read does not match the checksum saved in the
+            manifest (each names the file, and the key where it applies; see
+            [Note: checksums]).
         ValueError: ``like`` has a key the checkpoint lacks, a leaf of another shape, dtype or
             kind, or (with ``strict``) lacks a saved key.
     """
     path = os.path.abspath(os.fspath(path))
     keys, leaves, spec = flatten(like, "load")
-    saved, metadata, world, source = _saved(path)
+    saved, metadata, world, source, checksums = _saved(path)
     _check(source, saved, keys, leaves, strict)
     rank, _ = rank_world()
     src = rank % world
@@ -68,12 +71,17 @@ def load(path: str | os.PathLike, like: PyTree, *, strict: bool = True) -> PyTre
         else:
             targets[key] = _empty_like(leaf) if isinstance(leaf, torch.Tensor) else leaf
     _check_files(path, metadata, targets)
+    reader = (
+        dcp.FileSystemReader(path)
+        if checksums is None
+        else Reader(path, checksums, metadata.storage_data or {})
+    )
     with warnings.catch_warnings():  # DCP warns that it loads in one process without a group
         warnings.simplefilter("ignore", UserWarning)
         try:
-            dcp.load(targets, storage_reader=dcp.FileSystemReader(path), no_dist=not distributed())
+            dcp.load(targets, storage_reader=reader, no_dist=not distributed())
         except dcp.CheckpointException as e:  # see [Note: damaged data files]
-            raise _damaged(path, metadata, targets, e) from None
+            raise (damaged(e) or _damaged(path, metadata, targets, e)) from None
     out = []
     for key, leaf in zip(keys, leaves, strict=True):
         if isinstance(leaf, RNGState):
@@ -87,8 +95,9 @@ def load(path: str | os.PathLike, like: PyTree, *, strict: bool = True) -> PyTre
     return unflatten(spec, out)
 
 
-def _saved(path: str) -> tuple[dict[str, dict], Metadata, int, str]:
-    """``(leaf descriptions, DCP metadata, saved world size, file to name in errors)``."""
+def _saved(path: str) -> tuple[dict[str, dict], Metadata, int, str, dict | None]:
+    """``(leaf descriptions, DCP metadata, saved world size, file to name in errors,
+    checksums)``; the checksums are ``None`` for a checkpoint saved without them."""
     if not os.path.isdir(path):
         hint = " (fs.checkpoint.latest(dir) finds the newest checkpoint in a directory)"
         raise FileNotFoundError(f"no checkpoint directory {path}{hint}.")
@@ -105,6 +114,8 @@ def _saved(path: str) -> tuple[dict[str, dict], Metadata, int, str]:
             f"{path} is not a loadable checkpoint: {detail}. Pass a directory written by "
             "fs.checkpoint.save or torch.distributed.checkpoint.save."
         )
+    checksums = manifest.get("checksums") if manifest is not None else None
+    check_metadata(path, checksums)
     try:
         metadata = dcp.FileSystemReader(path).read_metadata()
         entries = metadata.state_dict_metadata
@@ -113,14 +124,15 @@ def _saved(path: str) -> tuple[dict[str, dict], Metadata, int, str]:
             f"{meta_file} is corrupted ({type(e).__name__}: {e}); load an earlier checkpoint."
         ) from e
     if manifest is not None:
-        return manifest["leaves"], metadata, manifest["world_size"], os.path.join(path, MANIFEST)
+        source = os.path.join(path, MANIFEST)
+        return manifest["leaves"], metadata, manifest["world_size"], source, checksums
     described = {
         k: {"kind": "object"}
         if isinstance(m, BytesStorageMetadata)
         else {"kind": "tensor", "shape": list(m.size), "dtype": str(m.properties.dtype)[6:]}
         for k, m in entries.items()
     }
-    return described, metadata, 1, meta_file
+    return described, metadata, 1, meta_file, None
 
 
 def _check(source: str, saved: dict[str, dict], keys, leaves, strict: bool) -> None:

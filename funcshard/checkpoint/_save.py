@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from .._tree import PyTree
 from ._comm import all_ok, distributed, on_rank, rank_world
+from ._integrity import Writer, save_failed
 from ._layout import committed, flatten, manifest, rank_key, write_manifest
 from ._rng import RNGState
 
@@ -64,12 +65,23 @@ def save(path: str | os.PathLike, tree: PyTree, *, keep: int | None = None) -> s
         TypeError: a leaf of an unsupported type (named by its key).
         ValueError: two leaves with the same key; ranks passed different paths; bad ``keep``.
         FileExistsError: ``path`` exists and is not a funcshard checkpoint.
+        OSError: writing failed on some rank (disk full, permission denied, ...; the errno is
+            the cause's, the message names the ranks), or rank 0 could not create the
+            temporary directory or commit; raised on every rank, after the partial files
+            were removed (see [Note: save failures name their cause]).
+        RuntimeError: writing failed on some rank for a reason other than an ``OSError``.
     """
     job = _begin(path, tree, keep, "save")
-    with warnings.catch_warnings():  # DCP warns that it saves in one process without a group
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save(job.state_dict, storage_writer=_writer(job.tmp), no_dist=not distributed())
-    on_rank(functools.partial(_commit, job))
+    writer = Writer(job.tmp)
+    try:
+        with warnings.catch_warnings():  # DCP warns that it saves in one process without a group
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(job.state_dict, storage_writer=writer, no_dist=not distributed())
+    except dcp.CheckpointException as e:  # raised on every rank: DCP gathers the failures
+        error = save_failed("save", job.path, job.tmp, e)
+        on_rank(functools.partial(_discard, job))  # every rank returns once it is removed
+        raise error from e
+    on_rank(functools.partial(_commit, job, writer.checksums))
     return job.path
 
 
@@ -88,6 +100,8 @@ class Saving:
         """Block until the checkpoint is committed; every rank calls it.
 
         Raises:
+            OSError: writing failed (disk full, permission denied: as for :func:`save`), on
+                every rank, after the partial files were removed.
             RuntimeError: writing or committing failed on some rank (named), on every rank.
         """
         error = None
@@ -132,9 +146,10 @@ def async_save(
     """
     job = _begin(path, tree, keep, "async_save")
     group = process_group if process_group is not None else _background_group()
+    writer = Writer(job.tmp)
     upload = dcp.async_save(
         job.state_dict,
-        storage_writer=_writer(job.tmp),
+        storage_writer=writer,
         process_group=group,
         no_dist=not distributed(),
     )
@@ -153,8 +168,14 @@ def async_save(
                     "dist.destroy_process_group()."
                 )
             if ranks[0] == 0:
-                _commit(job)
+                _commit(job, writer.checksums)
             committed_future.set_result(job.path)
+        except dcp.CheckpointException as e:  # every rank has it, and every rank's part ended
+            error = save_failed("async_save", job.path, job.tmp, e)
+            error.__cause__ = e
+            if ranks[0] == 0:
+                _discard(job)
+            committed_future.set_exception(error)
         except BaseException as e:
             committed_future.set_exception(e)
 
@@ -261,17 +282,29 @@ def _prepare_directory(job: _Job) -> None:
             "Save to a new path (or remove it yourself)."
         )
     shutil.rmtree(job.tmp, ignore_errors=True)
-    os.makedirs(job.tmp)
+    try:
+        os.makedirs(job.tmp)
+    except OSError as e:
+        raise OSError(
+            e.errno,
+            f"save: cannot create the temporary directory {job.tmp} ({e.strerror}); make "
+            f"{os.path.dirname(job.path)} writable by every rank and save again.",
+        ) from e
 
 
-def _writer(tmp: str) -> dcp.FileSystemWriter:
-    return dcp.FileSystemWriter(tmp, sync_files=True, overwrite=True)
+def _discard(job: _Job) -> None:
+    """On rank 0, after a failed save: remove its partial files."""
+    shutil.rmtree(job.tmp, ignore_errors=True)
 
 
-def _commit(job: _Job) -> None:
+def _commit(job: _Job, checksums: dict[str, Any] | None) -> None:
     """On rank 0, after every rank's data is written: see [Note: atomic save]."""
-    write_manifest(job.tmp, job.manifest)
-    _fsync_dir(job.tmp)
+    try:
+        write_manifest(job.tmp, {**job.manifest, "checksums": checksums})
+        _fsync_dir(job.tmp)
+    except BaseException:
+        _discard(job)
+        raise
     parent, name = os.path.split(job.path)
     if os.path.lexists(job.path):
         old = os.path.join(parent, f".{name}{_OLD}")
