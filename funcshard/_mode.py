@@ -16,6 +16,8 @@ import enum
 
 import torch
 
+from ._compat import compiling
+
 
 class Mode(enum.Enum):
     """Where a call runs (see [Note: the execution mode is data])."""
@@ -30,7 +32,7 @@ class Mode(enum.Enum):
     def now() -> Mode:
         """The mode of code running here, from torch's global state."""
         transformed = torch._C._functorch.peek_interpreter_stack() is not None
-        if torch.compiler.is_compiling():
+        if compiling():
             return Mode.TRACED_SYNCHRONOUS if transformed else Mode.TRACED
         if transformed:
             return Mode.SYNCHRONOUS
