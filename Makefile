@@ -4,12 +4,14 @@
 #                   the script checks them, then starts its ranks with torchrun's launcher
 #   make test    -- lint + the test suite (real gloo process groups, 2 and 4 ranks)
 #   make bench   -- the benchmark suite vs FSDP2 (BENCHMARKS.md); make bench-quick: < 1 min
+#   make test-compile TORCH=2.11.0 -- the torch.compile tests on another torch release (in a
+#                   virtual environment of its own, .venv-torch-2.11.0; docs/compile.md)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.funcshard-installed
 
-.PHONY: train test lint bench bench-quick
+.PHONY: train test lint bench bench-quick test-compile
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,3 +39,21 @@ bench: $(BENCH_STAMP)
 
 bench-quick: $(BENCH_STAMP)
 	$(BIN)/python -m benchmarks.run --quick $(ARGS)
+
+# CI tests torch 2.13 (.venv); these run the compile tests on another release of the supported
+# range (pyproject.toml), e.g. make test-compile TORCH=2.11.0
+TORCH       ?= 2.13.0
+TORCH_VENV  := .venv-torch-$(TORCH)
+TORCH_STAMP := $(TORCH_VENV)/.funcshard-installed
+COMPILE_TESTS := tests/test_compile.py tests/test_recompute.py tests/test_optim.py \
+	tests/test_parallel_init_compile.py tests/test_benchmarks.py tests/test_docs.py
+
+$(TORCH_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/pip install --quiet --disable-pip-version-check torch==$(TORCH)
+	$(TORCH_VENV)/bin/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $(TORCH_STAMP)
+
+test-compile: $(TORCH_STAMP)
+	PYTHONPATH=$(CURDIR) $(TORCH_VENV)/bin/python -m pytest -q $(COMPILE_TESTS) \
+		-k 'compile or gpu_part'

@@ -58,8 +58,6 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from funcshard._compat import HAS_2_13, needs_2_13
-
 from . import compile as compiled
 from . import harness, memory, timeline
 from .host import Llama, LlamaBlock
@@ -140,7 +138,6 @@ def variants(device: torch.device, backend: str) -> dict[str, tuple[Callable, Op
     one, which inductor fuses: torch keeps its fused kernel out of graphs)."""
     o = Options(param_dtype=DTYPE, fused=device.type in ("cuda", "cpu"), compile_backend=backend)
     no_graphs = None if device.type == "cuda" else "CUDA graphs need a CUDA device (--device cuda)"
-    no_compile = None if HAS_2_13 else needs_2_13("funcshard's whole step under torch.compile")
     return {
         PLAIN: (VARIANTS["plain"], o),
         "plain torch, CUDA graph": no_graphs
@@ -148,8 +145,7 @@ def variants(device: torch.device, backend: str) -> dict[str, tuple[Callable, Op
         FSDP2: (VARIANTS["fsdp2"], o),
         "FSDP2 + compile per block": (VARIANTS["fsdp2 + compile per block"], o),
         "funcshard": (VARIANTS["funcshard"], o),
-        "funcshard, compiled": no_compile
-        or (VARIANTS["funcshard + compile"], o),
+        "funcshard, compiled": (VARIANTS["funcshard + compile"], o),
         "funcshard, CUDA graph": no_graphs or (VARIANTS["funcshard + fs.cuda_graph"], o),
     }
 

@@ -116,7 +116,8 @@ def value_and_grad(
         value = value.detach()
         return ((value, aux) if has_aux else value), result
 
-    return traced(wrapped)  # see [Note: funcshard under torch.compile]
+    # see [Note: funcshard under torch.compile]
+    return traced(wrapped, getattr(fn, "__name__", "value_and_grad"))
 
 
 def grad(

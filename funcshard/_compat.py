@@ -1,15 +1,20 @@
 """What differs between the torch versions funcshard supports (2.11 to 2.13), in one place.
 
 [Note: supported torch versions]
-The eager paths run on torch 2.11, 2.12 and 2.13 (``pyproject.toml`` declares the range); CI
-tests 2.13. Where a newer torch renamed an API, the newer name is used when present. Features
-that need 2.13 check ``HAS_2_13`` and say so (``needs_2_13``).
+funcshard runs on torch 2.11, 2.12 and 2.13, eagerly and under ``torch.compile``
+(``pyproject.toml`` declares the range); CI tests 2.13, and ``make test-compile
+TORCH=2.11.0`` runs the compile tests on another version (docs/compile.md). Where a newer
+torch renamed an API, the newer name is used when present; where an older one lacks what
+funcshard needs, the replacement is here (``compiling``).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+# private: see tests/test_compile.py::test_private_torch_apis_of_compat
+from torch._guards import TracingContext
 
 TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 HAS_2_13 = TORCH >= (2, 13)
@@ -18,10 +23,20 @@ HAS_2_13 = TORCH >= (2, 13)
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def needs_2_13(feature: str) -> str:
-    """The error message for ``feature`` on a torch older than 2.13."""
-    return (
-        f"{feature} needs torch >= 2.13 (this is torch {torch.__version__}); the eager paths "
-        "(shard, unshard, reduce, schedule, value_and_grad, optim, checkpoint) run on 2.11 and "
-        "later. Upgrade torch, or run the step eagerly."
-    )
+def compiling() -> bool:
+    """Whether code runs as part of a ``torch.compile`` session: traced by Dynamo, or run by
+    it or AOTAutograd while they trace (a ``nonstrict_trace`` function, a backward).
+
+    [Note: a compile session on torch 2.11 and 2.12]
+    From torch 2.13 ``torch.compiler.is_compiling()`` is true for the whole compile session,
+    including the code Dynamo does not trace itself (``nonstrict_trace`` functions, which is
+    how funcshard's transforms are traced, and the backward AOTAutograd traces). On 2.11 and
+    2.12 it is true only in code Dynamo traces, so funcshard's Python, run on fake tensors while
+    compiling, would take its eager paths (pending collectives, storage frees, meta tensors made
+    under the fake mode) and fail. There the session is told by the ``TracingContext`` that
+    Dynamo installs while it compiles a frame (AOTAutograd and the backend run inside it) and
+    that no compiled graph has at run time.
+    """
+    if torch.compiler.is_compiling():
+        return True
+    return not HAS_2_13 and TracingContext.try_get() is not None

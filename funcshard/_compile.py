@@ -43,7 +43,7 @@ import torch.utils._pytree as torch_pytree
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ._compat import HAS_2_13, needs_2_13
+from ._compat import compiling as _compiling
 
 F = TypeVar("F", bound=Callable)
 _NUMBERS = itertools.count()
@@ -55,16 +55,18 @@ _CREATED_INSIDE = (
 )
 
 
-def traced(fn: F) -> F:
+def traced(fn: F, name: str | None = None) -> F:
     """``fn``, traced by AOTAutograd rather than Dynamo when called under ``torch.compile``.
 
     See [Note: funcshard under torch.compile]. Outside ``torch.compile`` this is a plain call.
     ``fn``'s arguments and results must be pytrees (tensors, DTensors, LocalShards, Python
-    scalars, dtypes, ``None``, containers of them).
+    scalars, dtypes, ``None``, containers of them). ``name``: the name errors give it
+    (default: ``fn``'s; pass the user's function's for a wrapper of it: Dynamo of torch 2.11
+    and 2.12 does not see the name ``functools.wraps`` copies).
     """
+    name = name or getattr(fn, "__name__", "fn")
     if torch.compiler.is_dynamo_compiling():
-        refuse_while_tracing(_CREATED_INSIDE.format(name=getattr(fn, "__name__", "a transform")))
-    name = getattr(fn, "__name__", "fn")
+        refuse_while_tracing(_CREATED_INSIDE.format(name=name))
 
     def body(*args, **kwargs):
         _WAITED.clear()  # a trace of its own: see after_waits
@@ -88,8 +90,6 @@ def traced(fn: F) -> F:
     def call(*args, **kwargs):
         if not torch.compiler.is_dynamo_compiling():
             return fn(*args, **kwargs)
-        if not HAS_2_13:
-            refuse_while_tracing(needs_2_13(f"funcshard's {name} under torch.compile"))
         return _ungraphed(opaque(*_encoded(args), **_encoded(kwargs)), args)
 
     return functools.wraps(fn)(_own_code(call, name))  # type: ignore[return-value]
@@ -107,8 +107,8 @@ def refuse_while_tracing(message: str) -> None:
     ``InductorError: ... convert all Tensors to FakeTensors``). A function marked
     ``assume_constant_result`` is *called* at trace time instead, so its exception is real: it
     reaches the user in both modes, as ``InternalTorchDynamoError`` (a ``RuntimeError``) whose
-    message starts with ``RuntimeError: <our message>`` (torch 2.13; tests/test_compile.py
-    checks it).
+    message starts with ``RuntimeError: <our message>`` (torch 2.11 to 2.13;
+    tests/test_compile.py checks it).
     """
     raise RuntimeError(message)
 
@@ -227,8 +227,9 @@ def untraced() -> contextlib.AbstractContextManager:
 
 
 def compiling() -> bool:
-    """Whether funcshard's code runs as part of a ``torch.compile`` trace."""
-    return torch.compiler.is_compiling()
+    """Whether funcshard's code runs as part of a ``torch.compile`` trace (see [Note: a compile
+    session on torch 2.11 and 2.12] in ``_compat``)."""
+    return _compiling()
 
 
 @contextlib.contextmanager

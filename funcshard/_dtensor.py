@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ._collectives import refuse_jacfwd
+from ._compat import compiling
 
 _aten = torch.ops.aten
 
@@ -93,7 +94,7 @@ def locals_of(leaves, specs) -> list[torch.Tensor]:
         NotImplementedError: DTensors under ``torch.func`` transforms while ``torch.compile``
             traces (see [Note: torch.func over DTensors under torch.compile]).
     """
-    if leaves and torch.compiler.is_compiling() and any(unwrap(x) is not x for x in leaves):
+    if leaves and compiling() and any(unwrap(x) is not x for x in leaves):
         raise NotImplementedError(_COMPILED_TRANSFORM)
     return list(ToLocal.apply(_Specs(specs), *leaves)) if leaves else []
 

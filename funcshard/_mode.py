@@ -32,6 +32,8 @@ from collections.abc import Iterator
 
 import torch
 
+from ._compat import compiling
+
 # set by fs.cuda_graph around its capture (also for its CPU stand-in in tests); a capture by hand
 # with torch.cuda.graph is seen through torch's own query
 _CAPTURING = contextvars.ContextVar("funcshard_capturing", default=False)
@@ -69,7 +71,7 @@ class Mode(enum.Enum):
     def now() -> Mode:
         """The mode of code running here, from torch's global state."""
         transformed = torch._C._functorch.peek_interpreter_stack() is not None
-        if torch.compiler.is_compiling():
+        if compiling():
             return Mode.TRACED_SYNCHRONOUS if transformed else Mode.TRACED
         if transformed:
             return Mode.SYNCHRONOUS

@@ -14,6 +14,8 @@ import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from ._compat import compiling
+
 _NULL = contextlib.nullcontext()
 _profiler_enabled = torch._C._autograd._profiler_enabled
 
@@ -32,7 +34,7 @@ def span(op: str, label: str) -> contextlib.AbstractContextManager:
     in the middle of a call sees the ranges opened after it starts. While ``torch.compile``
     traces, the range is recorded as before (it runs once, and the graph keeps what it keeps).
     """
-    if _profiler_enabled() or torch.compiler.is_compiling():
+    if _profiler_enabled() or compiling():
         return record_function(f"funcshard::{op} ({label})")
     return _NULL
 

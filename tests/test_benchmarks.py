@@ -32,7 +32,6 @@ from benchmarks import compile as compiled
 from benchmarks.memory import CATEGORIES, Event
 from benchmarks.variants import VARIANTS, Options, module_groups, plan_for
 from benchmarks.workloads import linears, transformer
-from funcshard._compat import HAS_2_13
 
 from _mesh import mesh
 
@@ -207,7 +206,6 @@ def compile_smoke():
     return row, gap, none, failed
 
 
-@pytest.mark.skipif(not HAS_2_13, reason="funcshard under torch.compile: torch 2.13")
 def test_compile_part_first_call_on_two_ranks(world2):
     for row, gap, none, failed in world2.run(compile_smoke):
         assert row["graphs"] == 1 and row["recompiles"] == 0 and row["first_call_s"] > 0
@@ -338,7 +336,7 @@ def test_gpu_part_runs_quick_on_cpu(tmp_path):
     assert list(rows) == list(gpu.variants(torch.device("cpu"), "aot_eager"))
     skipped = {label for label, row in rows.items() if "skipped" in row}
     graphs = {"plain torch, CUDA graph", "funcshard, CUDA graph"}
-    assert skipped == graphs | (set() if HAS_2_13 else {"funcshard, compiled"})
+    assert skipped == graphs
     for label, row in rows.items():
         if label in skipped:
             assert row["skipped"], label

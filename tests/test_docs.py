@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 import funcshard as fs
-from funcshard._compat import HAS_2_13
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 _BLOCK = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.DOTALL | re.MULTILINE)
@@ -33,17 +32,11 @@ def _blocks(page: Path) -> list[str]:
 
 def _params(in_test_process: bool):
     return [
-        pytest.param(source, f"docs/{page.name}", id=f"{page.name}:{i}", marks=_needs(page))
+        pytest.param(source, f"docs/{page.name}", id=f"{page.name}:{i}")
         for page in _pages()
         if (_IN_TEST_PROCESS in page.read_text()) == in_test_process
         for i, source in enumerate(_blocks(page), start=1)
     ]
-
-
-def _needs(page: Path):
-    """compile.md's blocks compile funcshard: torch 2.13 and later."""
-    compiled = page.name == "compile.md" and not HAS_2_13
-    return pytest.mark.skipif(compiled, reason="funcshard under torch.compile: torch 2.13")
 
 
 def _exec_block(source: str, filename: str) -> bool:

@@ -18,7 +18,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.debug import CommDebugMode
 
 import funcshard as fs
-from funcshard._compat import HAS_2_13
 from funcshard._profiling import peak_bytes
 from funcshard._tree import flatten
 
@@ -559,7 +558,6 @@ def test_sharded_adamw_counts_steps_per_leaf_as_torch_optim(world2):
         assert err == 0 and late == 3.0
 
 
-@pytest.mark.skipif(not HAS_2_13, reason="funcshard under torch.compile: torch 2.13")
 def test_fused_adamw_compiles_whole():
     """fused=True inside torch.compile(fullgraph=True): torch keeps its fused kernel out of
     traces, so the traced step runs the unfused arithmetic; the update equals eager fused's."""

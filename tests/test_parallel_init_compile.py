@@ -4,13 +4,11 @@ and sharded by fs.shard, against eager, and against the unsharded model on the g
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.distributed.tensor.parallel import parallelize_module
 
 import funcshard as fs
-from funcshard._compat import HAS_2_13
 
 from _tp import Net, batch, dp_rank, loss, make, parallelized, tp_plan
 
@@ -94,7 +92,6 @@ def compiled_2d_step(steps: int):
     return counter.frame_count, errors
 
 
-@pytest.mark.skipif(not HAS_2_13, reason="funcshard under torch.compile: torch 2.13")
 def test_compiled_2d_step(world4):
     for frames, errors in world4.run(compiled_2d_step, 2):
         assert frames == 1

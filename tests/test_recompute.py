@@ -19,7 +19,6 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.func import grad, vmap
 
 import funcshard as fs
-from funcshard._compat import HAS_2_13
 from funcshard._profiling import peak_bytes
 
 from _comm import counts
@@ -376,7 +375,6 @@ def compiled():
     return max(_local_err(grads, c_grads), abs(loss.item() - c_loss.item()))
 
 
-@pytest.mark.skipif(not HAS_2_13, reason="funcshard under torch.compile: torch 2.13")
 def test_recompute_under_torch_compile(world2):
     assert max(world2.run(compiled)) < 1e-6
 
