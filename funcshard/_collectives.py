@@ -72,7 +72,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from . import _debug, _opaque
+from . import _debug, _liveness, _opaque
 from ._compat import all_gather_single
 from ._compile import compiling, issued, waited, waits_for
 from ._profiling import span
@@ -132,7 +132,11 @@ def wait(t: torch.Tensor) -> torch.Tensor:
     if ptr not in _PENDING:
         return t
     _PENDING.discard(ptr)
-    _ops.wait_tensor(t.detach())
+    try:
+        _ops.wait_tensor(t.detach())
+    except RuntimeError as e:  # a peer died, or is not at this collective: say which
+        _liveness.explain(e, "a collective")
+        raise
     donated = _DONATED.pop(ptr, None)
     if donated is not None:
         donated.untyped_storage().resize_(0)
@@ -295,13 +299,17 @@ class Started:
     def wait(self) -> torch.Tensor:
         if self.work is None:
             return wait(self.output)
-        self.work.wait()
+        self.transferred()
         return self.output
 
     def transferred(self) -> None:
         """Wait for the transfer only (the output is not read yet)."""
         if self.work is not None:
-            self.work.wait()
+            try:
+                self.work.wait()
+            except RuntimeError as e:  # a peer died, or is not at this collective: say which
+                _liveness.explain(e, "an all_gather")
+                raise
 
 
 def start_all_gather(comm: Comm, pieces, after: torch.Tensor | None = None) -> Started:

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from .. import _liveness
 from .._parallel import (
     check_composable,
     check_model_placements,
@@ -66,6 +67,7 @@ def shard(
             on another device type than the mesh.
         TypeError: a leaf is not a tensor.
     """
+    _liveness.doing("fs.shard")
     _check_group(mesh)
     made: set[int] = set()
 
