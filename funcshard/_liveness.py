@@ -22,8 +22,10 @@ I/O), so it is kept always; it is read only when someone asks.
 [Note: a hang explains itself]
 A rank that waits for its peers longer than the limit (``FUNCSHARD_WAIT_TIMEOUT`` seconds;
 default: the store's timeout, which is the process group's) asks every rank what it is doing:
-it bumps ``funcshard/report/asked``, every watcher answers each new request under
-``funcshard/report/<request>/<rank>`` with its ``RECORD`` and the Python stack of the thread
+it bumps the request counter ``funcshard/report/asked``; every watcher that sees it moved
+answers once, whatever the number of requests since its last answer, under
+``funcshard/report/answer/<rank>`` (so many ranks asking at once cost no more writes), with the
+number of the latest request it saw, its ``RECORD`` and the Python stack of the thread
 that made the last funcshard call (``sys._current_frames``: works while that thread is blocked
 in a collective, which releases the GIL), and prints that answer on its own stderr. The waiting
 rank raises one error that lists, per rank, what it was doing and its stack. Ranks blocked in a
@@ -183,8 +185,7 @@ def _watch(store: dist.Store, rank: int, world: object, stop: threading.Event) -
             asked = store.add(f"{_PREFIX}report/asked", 0)
             if asked > answered:
                 answer = _answer(rank)
-                for n in range(answered + 1, asked + 1):
-                    store.set(f"{_PREFIX}report/{n}/{rank}", answer)
+                store.set(f"{_PREFIX}report/answer/{rank}", pickle.dumps((asked, answer)))
                 answered = asked
                 print(
                     f"funcshard: rank {rank} was asked what it is doing: "
@@ -299,14 +300,15 @@ def reports(store: dist.Store, ranks: Sequence[int], silence: Silence) -> str:
     [Note: a hang explains itself])."""
     asked = store.add(f"{_PREFIX}report/asked", 1)
     mine = dist.get_rank()
-    keys = {r: f"{_PREFIX}report/{asked}/{r}" for r in ranks if r != mine}
+    keys = {r: f"{_PREFIX}report/answer/{r}" for r in ranks if r != mine}
     answers = {mine: pickle.loads(_answer(mine))} if mine in ranks else {}
     dead: dict[int, str] = {}
     deadline = time.monotonic() + _BEAT + _ANSWER
     while keys and time.monotonic() < deadline:
         for r, key in list(keys.items()):
-            if store.check([key]):
-                answers[r] = pickle.loads(store.get(key))
+            seen, answer = pickle.loads(store.get(key)) if store.check([key]) else (0, None)
+            if seen >= asked:
+                answers[r] = pickle.loads(answer)
                 del keys[r]
             elif (how := silence.dead(r)) is not None:
                 dead[r] = how
