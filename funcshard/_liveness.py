@@ -2,15 +2,18 @@
 
 [Note: a heartbeat per rank]
 From its first funcshard call on (:func:`doing`), every rank runs a daemon thread, the
-*watcher*, that bumps a counter under ``funcshard/beat/<rank>`` in the process group's store
+*watcher*, that adds 1 to its counter ``funcshard/beat/<rank>`` in the process group's store
 every ``_BEAT`` seconds (through its own connection: ``Store.clone``), after publishing its host
 and pid once. A rank that waits for a peer (at a store exchange, or after a collective failed)
 calls the peer dead when its process on this host is gone (at once), or when its counter has
 not moved for ``_SILENT`` seconds as seen by the waiting rank's own clock (no clocks are
 compared across hosts): a rank on any host is named within ``_BEAT + _SILENT`` seconds of its
 death. A rank that is alive but stuck keeps beating, and is covered by the wait's limit (see
-[Note: a hang explains itself]). Only waiting ranks read others' counters, so the store sees one
-``set`` and one ``add`` per rank per ``_BEAT`` on the normal path.
+[Note: a hang explains itself]). Only waiting ranks read others' counters. The same counter
+carries requests for reports in its high bits (``_ASKED``): the ``add`` that beats also tells
+the watcher whether it was asked, so the normal path costs one store round trip per rank per
+``_BEAT``, and the watcher takes the GIL twice per ``_BEAT`` (on a machine whose cores are all
+busy, each time the GIL changes threads costs an OS scheduling delay: BENCHMARKS.md).
 
 [Note: what a rank is doing]
 ``RECORD`` is this process's last funcshard call (``fs.checkpoint.save``, the optimizer's clip,
@@ -22,8 +25,8 @@ I/O), so it is kept always; it is read only when someone asks.
 [Note: a hang explains itself]
 A rank that waits for its peers longer than the limit (``FUNCSHARD_WAIT_TIMEOUT`` seconds;
 default: the store's timeout, which is the process group's) asks every rank what it is doing:
-it bumps the request counter ``funcshard/report/asked``; every watcher that sees it moved
-answers once, whatever the number of requests since its last answer, under
+it adds ``_ASKED`` to every rank's heartbeat counter; every watcher that sees its requests'
+count move answers once, whatever the number of requests since its last answer, under
 ``funcshard/report/answer/<rank>`` (so many ranks asking at once cost no more writes), with the
 number of the latest request it saw, its ``RECORD`` and the Python stack of the thread
 that made the last funcshard call (``sys._current_frames``: works while that thread is blocked
@@ -55,7 +58,8 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
-_BEAT = 0.5  # seconds between two heartbeats of a rank
+_BEAT = 1.0  # seconds between two heartbeats of a rank
+_ASKED = 1 << 32  # a request for a report, added to a rank's heartbeat counter
 _SILENT = 5.0  # seconds without a heartbeat after which a rank is dead
 _ANSWER = 3.0  # seconds a rank asking for reports waits for the answers (beyond _BEAT)
 _STACK = 30  # frames of each rank's stack in a report
@@ -145,7 +149,7 @@ def start() -> None:
     if own is None:
         return
     store.set(f"{_PREFIX}alive/{rank}", f"{_HOST} {os.getpid()}")
-    store.set(f"{_PREFIX}beat/{rank}", "0")
+    store.add(f"{_PREFIX}beat/{rank}", 1)
     _WATCHER.thread = threading.Thread(
         target=_watch,
         args=(own, rank, world, _WATCHER.stop),
@@ -174,15 +178,12 @@ def stop() -> None:
 
 
 def _watch(store: dist.Store, rank: int, world: object, stop: threading.Event) -> None:
-    beat = answered = 0
+    answered = 0
     try:
-        answered = store.add(f"{_PREFIX}report/asked", 0)  # earlier requests were not for us
         while not stop.wait(_BEAT):
             if dist.group.WORLD is not world:  # destroyed (or replaced): nothing to serve
                 return
-            beat += 1
-            store.set(f"{_PREFIX}beat/{rank}", str(beat))
-            asked = store.add(f"{_PREFIX}report/asked", 0)
+            asked = store.add(f"{_PREFIX}beat/{rank}", 1) // _ASKED
             if asked > answered:
                 answer = _answer(rank)
                 store.set(f"{_PREFIX}report/answer/{rank}", pickle.dumps((asked, answer)))
@@ -252,7 +253,7 @@ class Silence:
 
     def __init__(self, store: dist.Store) -> None:
         self.store = store
-        self.seen: dict[int, tuple[bytes | None, float]] = {}
+        self.seen: dict[int, tuple[int | None, float]] = {}
 
     def dead(self, rank: int) -> str | None:
         """How ``rank`` is known to be dead, else ``None``."""
@@ -260,7 +261,7 @@ class Silence:
         if gone is not None:
             return gone
         key = f"{_PREFIX}beat/{rank}"
-        beat = self.store.get(key) if self.store.check([key]) else None
+        beat = int(self.store.get(key)) % _ASKED if self.store.check([key]) else None
         now = time.monotonic()
         last = self.seen.get(rank)
         if last is None or last[0] != beat:
@@ -298,16 +299,16 @@ def _process_gone(store: dist.Store, rank: int) -> str | None:
 def reports(store: dist.Store, ranks: Sequence[int], silence: Silence) -> str:
     """Ask every rank in ``ranks`` what it is doing; the answers, one paragraph per rank (see
     [Note: a hang explains itself])."""
-    asked = store.add(f"{_PREFIX}report/asked", 1)
     mine = dist.get_rank()
-    keys = {r: f"{_PREFIX}report/answer/{r}" for r in ranks if r != mine}
+    asked = {r: store.add(f"{_PREFIX}beat/{r}", _ASKED) // _ASKED for r in ranks if r != mine}
+    keys = {r: f"{_PREFIX}report/answer/{r}" for r in asked}
     answers = {mine: pickle.loads(_answer(mine))} if mine in ranks else {}
     dead: dict[int, str] = {}
     deadline = time.monotonic() + _BEAT + _ANSWER
     while keys and time.monotonic() < deadline:
         for r, key in list(keys.items()):
             seen, answer = pickle.loads(store.get(key)) if store.check([key]) else (0, None)
-            if seen >= asked:
+            if seen >= asked[r]:
                 answers[r] = pickle.loads(answer)
                 del keys[r]
             elif (how := silence.dead(r)) is not None:
