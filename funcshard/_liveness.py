@@ -254,10 +254,15 @@ class Silence:
     def __init__(self, store: dist.Store) -> None:
         self.store = store
         self.seen: dict[int, tuple[int | None, float]] = {}
+        self.where: dict[int, str] = {}  # "host pid" of each rank, once published
 
     def dead(self, rank: int) -> str | None:
         """How ``rank`` is known to be dead, else ``None``."""
-        gone = _process_gone(self.store, rank)
+        if rank not in self.where:
+            key = f"{_PREFIX}alive/{rank}"
+            if self.store.check([key]):
+                self.where[rank] = self.store.get(key).decode()
+        gone = _process_gone(self.where[rank]) if rank in self.where else None
         if gone is not None:
             return gone
         key = f"{_PREFIX}beat/{rank}"
@@ -272,12 +277,9 @@ class Silence:
         return f"no heartbeat for {now - last[1]:.0f} s: its process or its host died"
 
 
-def _process_gone(store: dist.Store, rank: int) -> str | None:
-    """How ``rank``'s process on this host is known to be dead, else ``None``."""
-    key = f"{_PREFIX}alive/{rank}"
-    if not store.check([key]):
-        return None
-    host, pid = store.get(key).decode().rsplit(" ", 1)
+def _process_gone(where: str) -> str | None:
+    """How the process ``where`` (``"host pid"``) is known to be dead, else ``None``."""
+    host, pid = where.rsplit(" ", 1)
     if host != _HOST:
         return None
     try:
@@ -371,7 +373,7 @@ def explain(error: BaseException, what: str) -> None:
     except Exception:  # the store is gone too: the collective's own error says enough
         return
     if dead:
-        named = "; ".join(f"rank {r} died ({how})" for r, how in dead.items())
+        named = "; ".join(f"rank {r} is gone ({how})" for r, how in dead.items())
         raise RuntimeError(
             f"funcshard: {what} failed on rank {mine} because {named}. Restart the job (from "
             f"the last checkpoint). This rank was doing: {RECORD.describe()}. The collective's "
