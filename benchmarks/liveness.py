@@ -6,7 +6,8 @@ collective), one ``fs.value_and_grad`` + ``fs.optim.step`` per step. Steps with 
 thread running and the record kept alternate, in blocks (in rotating order), with steps where
 the thread is stopped (``record only``), and steps where both are off (the record's updates
 patched out too); medians of the host time per step, after a barrier. Also the cost of one
-record update alone, in this process.
+record update alone, and the process's CPU time while its main thread sleeps, with and without
+the watcher.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def _steps(step, n: int) -> list[float]:
     return times
 
 
-def measure(rounds: int = 9, per_round: int = 20) -> dict[str, float]:
+def measure(rounds: int = 30, per_round: int = 10) -> dict[str, float]:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(16)])
     params, _ = fs.extract(model)
@@ -89,6 +90,14 @@ def measure(rounds: int = 9, per_round: int = 20) -> dict[str, float]:
             stack.enter_context(mock.patch.object(_liveness, name, counted(name)))
         step()
     out.update({f"{name}() calls per step": float(c) for name, c in calls.items()})
+    for mode in ("off", "on"):  # CPU time of this process while its main thread sleeps
+        if mode == "off":
+            _liveness.stop()
+        else:
+            _liveness.doing("benchmark")
+        cpu = time.process_time()
+        time.sleep(10)
+        out[f"process CPU while idle, watcher {mode} (us/s)"] = (time.process_time() - cpu) / 10e-6
     n = 100_000
     start = time.perf_counter()
     for _ in range(n):
