@@ -20,7 +20,8 @@ busy, each time the GIL changes threads costs an OS scheduling delay: BENCHMARKS
 a scheduled ``apply``), the plan step the schedule last executed (forward or backward), the last
 collective funcshard issued (its operation, group and label, and this rank's count of them) and
 the store exchange it waits in, if any. Updating it is a few attribute stores (no formatting, no
-I/O), so it is kept always; it is read only when someone asks.
+I/O), so it is kept always; it is read only when someone asks. It is per process, not passed
+around, because the watcher thread reads it while the main thread is blocked.
 
 [Note: a hang explains itself]
 A rank that waits for its peers longer than the limit (``FUNCSHARD_WAIT_TIMEOUT`` seconds;
@@ -33,7 +34,7 @@ that made the last funcshard call (``sys._current_frames``: works while that thr
 in a collective, which releases the GIL), and prints that answer on its own stderr. The waiting
 rank raises one error that lists, per rank, what it was doing and its stack. Ranks blocked in a
 collective get the same listing when that collective fails (its timeout, or a peer's death:
-:func:`failed`).
+:func:`explain`).
 
 [Note: no thread at exit]
 The watcher is stopped and joined at interpreter exit (``atexit``, which runs before the
