@@ -10,8 +10,6 @@ import contextlib
 import os
 import subprocess
 import sys
-import tempfile
-import time
 from unittest import mock
 
 import pytest
@@ -34,18 +32,6 @@ def _elsewhere():
     _liveness.start()
 
 
-def _timed(fn):
-    start = time.monotonic()
-    try:
-        fn()
-    except RuntimeError as e:
-        raise RuntimeError(f"{e} [after {time.monotonic() - start:.1f} s]") from None
-
-
-def _after(message: str) -> float:
-    return float(message.rsplit("[after ", 1)[1].split(" s]")[0])
-
-
 # ---- deaths ---------------------------------------------------------------------------------
 
 
@@ -54,16 +40,16 @@ def dies_before_the_first_exchange():
     sharded = fs.shard({"w": torch.ones(4)}, mesh(2))  # a funcshard call: the heartbeat runs
     if dist.get_rank() == 1:
         os._exit(3)
-    _timed(lambda: fs.unshard(sharded))
+    fs.unshard(sharded)
 
 
 def test_a_rank_on_another_host_that_dies_before_its_first_exchange_is_named(world2):
-    # the survivors get 20 s after the death (instead of 1 s); the process group's is 240 s
-    with mock.patch.object(_pool, "_GRACE", 20.0), pytest.raises(fs.testing.RankError) as info:
+    # the pool stops the survivors 10 s after a rank died (instead of 1 s), far below the
+    # process group's timeout (240 s): rank 0 must name it before that
+    with mock.patch.object(_pool, "_GRACE", 10.0), pytest.raises(fs.testing.RankError) as info:
         world2.run(dies_before_the_first_exchange)
     message = info.value.errors[0]
     assert "rank 1 is gone (no heartbeat for" in message, message
-    assert _after(message) < 10, message
 
 
 class Dying(nn.Module):
@@ -110,12 +96,12 @@ def dies_in_a_collective(where: str, host: str):
     loss = lambda p: apply(p, torch.ones(2, 4)).sum()
     fs.value_and_grad(loss)(sharded)  # every rank has taken part in collectives
     model.where = where
-    _timed(lambda: fs.value_and_grad(loss)(sharded))
+    fs.value_and_grad(loss)(sharded)
 
 
 @pytest.mark.parametrize(("where", "host"), [("forward", "elsewhere"), ("backward", "here")])
 def test_a_rank_that_dies_during_a_collective_is_named(world2, where, host):
-    with mock.patch.object(_pool, "_GRACE", 20.0), pytest.raises(fs.testing.RankError) as info:
+    with mock.patch.object(_pool, "_GRACE", 10.0), pytest.raises(fs.testing.RankError) as info:
         world2.run(dies_in_a_collective, where, host)
     message = info.value.errors[0]
     assert "rank 1 is gone (" in message, message
@@ -124,7 +110,6 @@ def test_a_rank_that_dies_during_a_collective_is_named(world2, where, host):
     else:
         assert "has exited" in message or "is a zombie" in message, message
     assert "This rank was doing: last funcshard call: schedule" in message, message
-    assert _after(message) < 10, message
 
 
 # ---- hangs ----------------------------------------------------------------------------------
@@ -210,23 +195,22 @@ def test_clipping_in_one_ranks_chain_only_is_named(world2):
     assert "in global_norm" in message  # rank 0's stack
 
 
-def saves_on_some_ranks(fewer: bool):
+def saves_on_some_ranks(fewer: bool, directory: str):
     sharded, step = _training(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
     rank = dist.get_rank()
-    directory = tempfile.gettempdir()
     with mock.patch.dict(os.environ, {"FUNCSHARD_WAIT_TIMEOUT": _WAIT}):
         for i in range(3 - (fewer and rank == 1)):
             step(sharded, torch.ones(2, 4))
             if not fewer and rank == 0:
-                fs.checkpoint.save(f"{directory}/funcshard-liveness-{os.getppid()}-{i}", sharded)
+                fs.checkpoint.save(f"{directory}/step{i}", sharded)
         if fewer:  # one batch fewer on rank 1, then a save
-            fs.checkpoint.save(f"{directory}/funcshard-liveness-{os.getppid()}", sharded)
+            fs.checkpoint.save(f"{directory}/last", sharded)
 
 
 @pytest.mark.parametrize("fewer", [False, True], ids=["save on rank 0 only", "one batch fewer"])
-def test_a_save_that_not_every_rank_makes_is_named(world2, fewer):
+def test_a_save_that_not_every_rank_makes_is_named(world2, fewer, tmp_path):
     with pytest.raises(fs.testing.RankError) as info:
-        world2.run(saves_on_some_ranks, fewer)
+        world2.run(saves_on_some_ranks, fewer, str(tmp_path))
     waiting, saving = (0, 1) if fewer else (1, 0)
     message = info.value.errors[waiting]
     assert f"ranks [{saving}] did not get there" in message, message
