@@ -195,6 +195,23 @@ def test_clipping_in_one_ranks_chain_only_is_named(world2):
     assert "in global_norm" in message  # rank 0's stack
 
 
+def test_the_rank_stuck_in_the_collective_lists_every_rank_at_its_timeout():
+    # a process group timeout of 10 s: rank 0's all_reduce of the clip times out, after rank 1
+    # raised at its wait limit (2 s); the pool lets rank 0 report instead of stopping it
+    with (
+        fs.testing.Pool(2, timeout=10) as pool,
+        mock.patch.object(_pool, "_GRACE", 60.0),
+        pytest.raises(fs.testing.RankError) as info,
+    ):
+        pool.run(clips_on_rank_0_only, timeout=120)
+    message = info.value.errors[0]
+    assert "the all_reduce of fs.optim.global_norm failed on rank 0" in message, message
+    assert "no rank is known to be dead" in message, message
+    listing = message.split("What each rank is doing:", 1)[1]
+    assert "rank 1 (" in listing and "in clips_on_rank_0_only" in listing, listing
+    assert "ranks [0] did not get there" in info.value.errors[1]
+
+
 def saves_on_some_ranks(fewer: bool, directory: str):
     sharded, step = _training(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
     rank = dist.get_rank()
