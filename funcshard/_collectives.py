@@ -75,7 +75,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from . import _debug, _opaque
+from . import _debug, _liveness, _opaque
 from ._compat import all_gather_single
 from ._compile import compiling, issued, waited, waits_for
 from ._profiling import span
@@ -135,7 +135,11 @@ def wait(t: torch.Tensor) -> torch.Tensor:
     if ptr not in _PENDING:
         return t
     _PENDING.discard(ptr)
-    _ops.wait_tensor(t.detach())
+    try:
+        _ops.wait_tensor(t.detach())
+    except RuntimeError as e:  # a peer died, or is not at this collective: say which
+        _liveness.explain(e, "a collective")
+        raise
     donated = _DONATED.pop(ptr, None)
     if donated is not None:
         donated.untyped_storage().resize_(0)
@@ -298,15 +302,19 @@ class Started:
     def wait(self) -> torch.Tensor:
         if self.work is None:
             return wait(self.output)
-        self.work.wait()
-        _UNFINISHED.pop(id(self.work), None)
+        self.transferred()
         return self.output
 
     def transferred(self) -> None:
         """Wait for the transfer only (the output is not read yet)."""
         if self.work is not None:
-            self.work.wait()
-            _UNFINISHED.pop(id(self.work), None)
+            try:
+                self.work.wait()
+            except RuntimeError as e:  # a peer died, or is not at this collective: say which
+                _liveness.explain(e, "an all_gather")
+                raise
+            finally:  # waited (or failed): nothing left in flight at exit
+                _UNFINISHED.pop(id(self.work), None)
 
 
 def start_all_gather(comm: Comm, pieces, after: torch.Tensor | None = None) -> Started:

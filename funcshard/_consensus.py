@@ -25,21 +25,9 @@ identical on every rank). Its cost (three store round trips per call; BENCHMARKS
 once per ``apply`` (one per step) or per ``unshard`` / ``reduce`` call. Under
 ``torch.compile`` it runs while tracing only.
 
-[Note: one sequence per set of ranks]
-Exchanges are numbered per default process group and set of ranks, not per group object: a
-mesh's group over all ranks and the default group share one sequence, so that the per-call
-checks and the debug mode's per-collective checks (``_debug``) of one rank always meet the other
-ranks' exchange of the same number, whatever group each was made for. A rank that is one
-exchange ahead then sees the other's kind of exchange and both raise. Each rank deletes its key
-of the previous exchange once the next one completed (everyone has read it by then).
-
-[Note: waiting for a rank that is gone]
-The wait polls the store (with a short back-off: no busy loop, no c10d timeout warnings) and,
-every quarter second, checks that the ranks it still waits for are alive: each rank published
-its host and pid at its first exchange, and a peer on this host whose process is gone (or a
-zombie) is named at once, instead of after the store's timeout (30 minutes by default). Ranks
-on other hosts are covered by the timeout only. A store that cannot be reached (its host,
-usually rank 0's, died) is reported as such, not as a timeout.
+The exchange itself, its numbering and its wait (which names a rank that is gone, and explains a
+hang with every rank's report) are ``_store``'s: see [Note: one sequence per set of ranks] and
+[Note: waiting for a rank that is gone] there.
 """
 
 from __future__ import annotations
@@ -47,19 +35,14 @@ from __future__ import annotations
 import builtins
 import collections
 import contextlib
-import datetime
 import hashlib
-import itertools
-import os
 import pickle
-import socket
-import time
 from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
-from . import _parallel
+from . import _liveness, _parallel, _store
 from ._compile import untraced
 from ._spec import ShardSpec
 from ._updates import by_rank, differences, taken
@@ -67,12 +50,8 @@ from ._updates import by_rank, differences, taken
 Leaf = tuple[str, ShardSpec, torch.dtype, bool]
 _DIGESTS: collections.OrderedDict[tuple, int] = collections.OrderedDict()
 _REMEMBERED = 1024  # structures whose hash is cached, per process
-# per (default group, set of ranks): see [Note: one sequence per set of ranks]
-_SEQUENCE: dict[tuple, itertools.count] = {}
-_LAST: dict[tuple, str] = {}  # this rank's key of its last exchange
-_PUBLISHED: set[object] = set()  # default groups to which this process published host and pid
-_GROUP_RANKS: dict[dist.ProcessGroup, tuple[int, ...]] = {}
-_ERROR, _GONE, _COLLECTIVE = b"E", b"G", b"C"
+_ERROR, _GONE, _COLLECTIVE = b"E", _store.GONE, _store.COLLECTIVE
+_exchange = _store.exchange
 
 
 def agree(
@@ -137,7 +116,8 @@ def failing(fn: str) -> Iterator[None]:
     """Around a call's local checks and its :func:`agree`: an exception raised inside (before
     the exchange) is first announced to the other ranks through :func:`agree`, then raised, so
     that it takes part in the same exchange as their statuses. Keep the call's collectives
-    outside the block."""
+    outside the block. Notes ``fn`` as this rank's current call (see ``_liveness``)."""
+    _liveness.doing(fn)
     try:
         yield
     except Exception as e:
@@ -211,114 +191,6 @@ def _failure(fn: str, rank: int, status: bytes) -> Exception:
         f"{fn}: rank {rank} raised {kind}: {message} (raised on every rank, before any "
         "collective of this call, so that the ranks stay in step)"
     )
-
-
-def _exchange(what: str, value: bytes, group: dist.ProcessGroup | None = None) -> list[bytes]:
-    """Publish ``value`` and return every rank's of ``group`` (default: all), in group rank
-    order, through the default store. Groups of the same ranks share one sequence of exchanges
-    (see [Note: one sequence per set of ranks])."""
-    store = dist.distributed_c10d._get_default_store()
-    ranks = _ranks(group or dist.group.WORLD)
-    rank = dist.get_rank()
-    stream = (dist.group.WORLD, ranks)  # a new default group (re-initialised) starts afresh
-    seq = next(_SEQUENCE.setdefault(stream, itertools.count()))
-    name = "" if len(ranks) == dist.get_world_size() else "-".join(map(str, ranks))
-    prefix = f"funcshard/agree/{name}/{seq}/{what}/"
-    keys = [f"{prefix}{r}" for r in ranks]
-    try:
-        if dist.group.WORLD not in _PUBLISHED:
-            store.set(f"funcshard/alive/{rank}", f"{socket.gethostname()} {os.getpid()}")
-            _PUBLISHED.add(dist.group.WORLD)
-        store.set(keys[ranks.index(rank)], value)
-        _wait(store, keys, ranks)
-        values = store.multi_get(keys)
-        # everyone has read the previous exchange: drop this rank's key of it
-        previous, _LAST[stream] = _LAST.get(stream), keys[ranks.index(rank)]
-        if previous is not None:
-            store.delete_key(previous)
-    except dist.DistNetworkError as e:
-        raise RuntimeError(
-            f"funcshard: rank {rank} cannot reach the process group's store ({e}): the process "
-            "that hosts it (rank 0, or the launcher's store) or its host is gone. Restart the "
-            "job."
-        ) from e
-    return values
-
-
-def exchange_collective(group: dist.ProcessGroup, description: str) -> list[str]:
-    """Every rank's description of its next collective on ``group`` (see [Note: checked
-    collectives] in ``_debug``); a rank that is at a per-call check instead shows as such."""
-    with untraced():
-        values = _exchange("collective", _COLLECTIVE + description.encode(), group)
-    out = []
-    for v in values:
-        if v[:1] == _COLLECTIVE:
-            out.append(v[1:].decode(errors="replace"))
-        elif v[:1] == _GONE:
-            out.append(f"gone ({v[1:].decode(errors='replace')})")
-        else:
-            out.append("at the per-call check of a funcshard call, not at a collective")
-    return out
-
-
-def _ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
-    found = _GROUP_RANKS.get(group)
-    if found is None:
-        found = _GROUP_RANKS[group] = tuple(dist.get_process_group_ranks(group))
-    return found
-
-
-def _wait(store: dist.Store, keys: list[str], ranks: tuple[int, ...]) -> None:
-    """Until every key is set; see [Note: waiting for a rank that is gone]."""
-    timeout = store.timeout.total_seconds()
-    start = checked = time.monotonic()
-    pause, polls = 5e-5, 0
-    while not store.check(keys):
-        polls += 1
-        if polls < 20:  # a store round trip each: peers a little late cost no sleep
-            continue
-        now = time.monotonic()
-        if now - start > timeout:
-            missing = [r for r, k in zip(ranks, keys, strict=True) if not store.check([k])]
-            raise RuntimeError(
-                f"funcshard: rank {dist.get_rank()} checked that every rank passes the same "
-                f"tree, but ranks {missing} did not take part within "
-                f"{datetime.timedelta(seconds=timeout)}. They are stuck (in other work, or a "
-                "collective the others never joined), or the ranks changed their trees "
-                "differently in the middle of the run (see docs/failures.md)."
-            )
-        if now - checked > 0.25:
-            checked = now
-            for r, k in zip(ranks, keys, strict=True):
-                gone = not store.check([k]) and _gone(store, r)
-                if gone:
-                    store.set(k, _GONE + gone.encode())  # stands in for it: every rank sees it
-        time.sleep(pause)
-        pause = min(pause * 2, 0.005)
-
-
-def _gone(store: dist.Store, rank: int) -> str | None:
-    """How ``rank`` is known to be dead (its process on this host is gone), else ``None``."""
-    key = f"funcshard/alive/{rank}"
-    if not store.check([key]):
-        return None
-    host, pid = store.get(key).decode().rsplit(" ", 1)
-    if host != socket.gethostname():
-        return None
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return f"its process {pid} on {host} has exited"
-    except OSError:  # no /proc: ask the OS
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            return f"its process {pid} on {host} has exited"
-        except OSError:
-            pass
-        return None
-    return f"its process {pid} on {host} is a zombie" if state in ("Z", "X") else None
 
 
 def _message(fn: str, everyone: list[list[tuple[str, str]]]) -> str:

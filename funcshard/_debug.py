@@ -26,7 +26,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from ._compile import compiling
+from . import _liveness, _store
+from ._compile import compiling, untraced
 
 _FORCED: list[bool] = []  # the stack of checking_collectives()
 
@@ -54,13 +55,13 @@ def enabled() -> bool:
 
 
 def check(op: str, group: dist.ProcessGroup, label: str, x: torch.Tensor) -> None:
-    """In debug mode, compare this collective with the other ranks' next one."""
+    """Note this collective in this rank's record (see [Note: what a rank is doing] in
+    ``_liveness``); in debug mode, compare it with the other ranks' next one."""
+    _liveness.collective(op, group, label)
     if not enabled() or compiling() or not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    from . import _consensus  # here: _consensus imports _spec, which imports _collectives
-
     mine = f"{op} of {x.numel()} {str(x.dtype).removeprefix('torch.')} for {label!r}"
-    everyone = _consensus.exchange_collective(group, mine)
+    everyone = _exchange_collective(group, mine)
     if all(v == mine for v in everyone):
         return
     ranks = dist.get_process_group_ranks(group)
@@ -71,3 +72,20 @@ def check(op: str, group: dist.ProcessGroup, label: str, x: torch.Tensor) -> Non
         "paths (data-dependent control flow, a block skipped on one rank) or they called "
         "funcshard differently; see docs/failures.md, control flow that differs between ranks."
     )
+
+
+def _exchange_collective(group: dist.ProcessGroup, description: str) -> list[str]:
+    """Every rank's description of its next collective on ``group``; a rank that is at a
+    per-call check instead (the same exchange: [Note: one sequence per set of ranks] in
+    ``_store``) shows as such."""
+    with untraced():
+        values = _store.exchange(_store.CALL, _store.COLLECTIVE + description.encode(), group)
+    out = []
+    for v in values:
+        if v[:1] == _store.COLLECTIVE:
+            out.append(v[1:].decode(errors="replace"))
+        elif v[:1] == _store.GONE:
+            out.append(f"gone ({v[1:].decode(errors='replace')})")
+        else:
+            out.append("at the per-call check of a funcshard call, not at a collective")
+    return out

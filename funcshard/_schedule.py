@@ -81,6 +81,7 @@ from . import (
     _counts,
     _flat,
     _grad_layout,
+    _liveness,
     _parallel,
     _program,
     _recompute,
@@ -600,6 +601,7 @@ class _Run:
     def _execute(self, step: Step) -> None:
         """Run one step of the lowered plan (see [Note: the plan lowered] in ``_program``)."""
         state = self.groups[step.group]
+        _liveness.step(step, self.in_forward)  # see [Note: what a rank is doing] in _liveness
         if step.op == "all_gather":
             state.issue()
         elif step.op == "wait":

@@ -47,6 +47,8 @@ AREAS = {
     "transforms/_shard.py": SHARDING,
     "_parallel.py": SHARDING,
     "_consensus.py": TREES,
+    "_store.py": TREES,
+    "_liveness.py": TREES,
     "_debug.py": TREES,
     "_tree.py": TREES,
     "_autodiff.py": GRADIENTS,

@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.tensor import DTensor
 
+from .. import _liveness
 from .._tree import PyTree, _few, unflatten
 from ._comm import distributed, rank_world
 from ._integrity import Reader, check_metadata, damaged
@@ -57,6 +58,7 @@ def load(path: str | os.PathLike, like: PyTree, *, strict: bool = True) -> PyTre
         ValueError: ``like`` has a key the checkpoint lacks, a leaf of another shape, dtype or
             kind, or (with ``strict``) lacks a saved key.
     """
+    _liveness.doing("fs.checkpoint.load")
     path = os.path.abspath(os.fspath(path))
     keys, leaves, spec = flatten(like, "load")
     saved, metadata, world, source, checksums = _saved(path)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
+from .. import _liveness
 from .._tree import PyTree
 from ._comm import all_ok, distributed, on_rank, rank_world
 from ._integrity import Writer, save_failed
@@ -235,6 +236,7 @@ def _checkpoints(directory: str) -> list[str]:
 
 def _begin(path, tree: PyTree, keep: int | None, fn: str) -> _Job:
     """Wait for earlier async saves, check the arguments, prepare the temporary directory."""
+    _liveness.doing(f"fs.checkpoint.{fn}")
     while _IN_FLIGHT:
         _IN_FLIGHT[0].wait()
     if keep is not None and (not isinstance(keep, int) or keep < 1):

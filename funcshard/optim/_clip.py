@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from .. import _liveness
 from .._parallel import sub_mesh_problem
 from .._tree import PyTree, flatten, unflatten
 from .._updates import before_collective
@@ -71,7 +72,12 @@ def global_norm(tree: PyTree) -> torch.Tensor:
     squares = torch.stack(squares)
     total = squares.sum()
     if any(dtensors):
-        dist.all_reduce(total)
+        _liveness.doing("fs.optim.global_norm (the optimizer's clip): the all_reduce of the norm")
+        try:
+            dist.all_reduce(total)
+        except RuntimeError as e:  # a peer died, or is not at this collective: say which
+            _liveness.explain(e, "the all_reduce of fs.optim.global_norm")
+            raise
     return total.sqrt()
 
 

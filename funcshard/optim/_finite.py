@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .. import _liveness
 from .._tree import PyTree, flatten, unflatten
 from .._updates import before_collective
 from ._base import GradientTransformation, local
@@ -99,5 +100,10 @@ def all_finite(tree: PyTree) -> bool:
     flags = torch.stack([local(x).isfinite().all() for x in leaves]).all()
     flag = flags.to(torch.int32)
     if any(isinstance(x, DTensor) for x in leaves) and dist.is_initialized():
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        _liveness.doing("fs.optim.all_finite: the all_reduce of the flags")
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        except RuntimeError as e:  # a peer died, or is not at this collective: say which
+            _liveness.explain(e, "the all_reduce of fs.optim.all_finite")
+            raise
     return bool(flag)

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from .. import _liveness
 from .._parallel import (
     check_composable,
     check_model_placements,
@@ -69,6 +70,7 @@ def shard(
             every rank, the ranks passed different values (see [Note: the same initial values]).
         TypeError: a leaf is not a tensor.
     """
+    _liveness.doing("fs.shard")
     _check_group(mesh)
     made: set[int] = set()
 
