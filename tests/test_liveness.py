@@ -187,28 +187,40 @@ def clips_on_rank_0_only():
 
 
 def test_clipping_in_one_ranks_chain_only_is_named(world2):
+    # the clip's collective checks the optimizers first: an error on both ranks, not a hang
     with pytest.raises(fs.testing.RankError) as info:
         world2.run(clips_on_rank_0_only)
-    message = info.value.errors[1]
-    assert "ranks [0] did not get there" in message, message
-    assert "fs.optim.global_norm (the optimizer's clip)" in message, message
-    assert "in global_norm" in message  # rank 0's stack
+    for message in info.value.errors.values():
+        assert "the ranks run different optimizers" in message, message
+        assert "clip_by_global_norm" in message, message
+        assert "rank 0: fs.optim (global_norm's all-reduce); rank 1: schedule" in message, message
+
+
+def norms_on_rank_0_only():
+    """Rank 0 takes the gradients' global norm (an all-reduce) that rank 1 never takes: no
+    optimizer update left a record to check first, so rank 0 waits in the collective itself."""
+    sharded, step = _training(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
+    with mock.patch.dict(os.environ, {"FUNCSHARD_WAIT_TIMEOUT": _WAIT}):
+        for _ in range(2):
+            _, grads = step(sharded, torch.ones(2, 4))
+            if dist.get_rank() == 0:
+                fs.optim.global_norm(grads)
 
 
 def test_the_rank_stuck_in_the_collective_lists_every_rank_at_its_timeout():
-    # a process group timeout of 10 s: rank 0's all_reduce of the clip times out, after rank 1
+    # a process group timeout of 10 s: rank 0's all_reduce of the norm times out, after rank 1
     # raised at its wait limit (2 s); the pool lets rank 0 report instead of stopping it
     with (
         fs.testing.Pool(2, timeout=10) as pool,
         mock.patch.object(_pool, "_GRACE", 60.0),
         pytest.raises(fs.testing.RankError) as info,
     ):
-        pool.run(clips_on_rank_0_only, timeout=120)
+        pool.run(norms_on_rank_0_only, timeout=120)
     message = info.value.errors[0]
     assert "the all_reduce of fs.optim.global_norm failed on rank 0" in message, message
     assert "no rank is known to be dead" in message, message
     listing = message.split("What each rank is doing:", 1)[1]
-    assert "rank 1 (" in listing and "in clips_on_rank_0_only" in listing, listing
+    assert "rank 1 (" in listing and "in norms_on_rank_0_only" in listing, listing
     assert "ranks [0] did not get there" in info.value.errors[1]
 
 
