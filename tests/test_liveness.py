@@ -99,6 +99,24 @@ def dies_in_a_collective(where: str, host: str):
     fs.value_and_grad(loss)(sharded)
 
 
+def dies_while_saving(directory: str):
+    _elsewhere()
+    sharded = fs.shard({"w": torch.ones(4)}, mesh(2))
+    fs.checkpoint.save(f"{directory}/first", sharded)  # every rank has saved once
+    if dist.get_rank() == 1:  # dies in the middle of its write
+        from funcshard.checkpoint import _integrity
+
+        _integrity.Writer.write_data = lambda *args, **kwargs: os._exit(3)
+    fs.checkpoint.save(f"{directory}/second", sharded)
+
+
+def test_a_rank_that_dies_while_saving_is_named(world2, tmp_path):
+    with mock.patch.object(_pool, "_GRACE", 10.0), pytest.raises(fs.testing.RankError) as info:
+        world2.run(dies_while_saving, str(tmp_path))
+    message = info.value.errors[0]
+    assert "fs.checkpoint.save failed on rank 0 because rank 1 is gone (" in message, message
+
+
 @pytest.mark.parametrize(("where", "host"), [("forward", "elsewhere"), ("backward", "here")])
 def test_a_rank_that_dies_during_a_collective_is_named(world2, where, host):
     with mock.patch.object(_pool, "_GRACE", 10.0), pytest.raises(fs.testing.RankError) as info:

@@ -3,10 +3,13 @@ went" (so that a failure on rank 0 raises on every rank instead of leaving the o
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.distributed as dist
+
+from .. import _liveness
 
 
 def rank_world() -> tuple[int, int]:
@@ -33,7 +36,8 @@ def on_rank(fn: Callable[[], Any], src: int = 0) -> Any:
         except Exception as e:
             outcome = [("err", e)]
     if distributed():
-        dist.broadcast_object_list(outcome, src=src)
+        with peers_named("a checkpoint's broadcast"):
+            dist.broadcast_object_list(outcome, src=src)
     status, value = outcome[0]
     if status == "err":
         raise value
@@ -50,10 +54,23 @@ def all_ok(error: BaseException | None) -> None:
     errors = [mine]
     if distributed():
         errors = [None] * rank_world()[1]
-        dist.all_gather_object(errors, mine)
+        with peers_named("a checkpoint's all_gather"):
+            dist.all_gather_object(errors, mine)
     if error is not None and all(e == mine for e in errors):
         raise error
     for r, e in enumerate(errors):
         if e is not None:
             kind, message = e
             raise RuntimeError(f"rank {r}: {kind.__name__}: {message}") from error
+
+
+@contextlib.contextmanager
+def peers_named(what: str) -> Iterator[None]:
+    """Around collectives only (c10d's, or DCP's, which raise what fails locally as a
+    ``CheckpointException``): one that fails because a peer died names that rank, or lists what
+    every rank is doing (see ``_liveness.explain``)."""
+    try:
+        yield
+    except RuntimeError as e:
+        _liveness.explain(e, what)
+        raise

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import _liveness
 from .._tree import PyTree, _few, unflatten
-from ._comm import distributed, rank_world
+from ._comm import distributed, peers_named, rank_world
 from ._integrity import Reader, check_metadata, damaged
 from ._layout import MANIFEST, describe, flatten, rank_key, read_manifest
 from ._rng import RNGState, derive
@@ -81,7 +81,8 @@ def load(path: str | os.PathLike, like: PyTree, *, strict: bool = True) -> PyTre
     with warnings.catch_warnings():  # DCP warns that it loads in one process without a group
         warnings.simplefilter("ignore", UserWarning)
         try:
-            dcp.load(targets, storage_reader=reader, no_dist=not distributed())
+            with peers_named("fs.checkpoint.load"):
+                dcp.load(targets, storage_reader=reader, no_dist=not distributed())
         except dcp.CheckpointException as e:  # see [Note: damaged data files]
             raise (damaged(e) or _damaged(path, metadata, targets, e)) from None
     out = []

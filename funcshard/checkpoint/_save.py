@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import _liveness
 from .._tree import PyTree
-from ._comm import all_ok, distributed, on_rank, rank_world
+from ._comm import all_ok, distributed, on_rank, peers_named, rank_world
 from ._integrity import Writer, save_failed
 from ._layout import committed, flatten, manifest, rank_key, write_manifest
 from ._rng import RNGState
@@ -75,8 +75,8 @@ def save(path: str | os.PathLike, tree: PyTree, *, keep: int | None = None) -> s
     job = _begin(path, tree, keep, "save")
     writer = Writer(job.tmp)
     try:
-        with warnings.catch_warnings():  # DCP warns that it saves in one process without a group
-            warnings.simplefilter("ignore", UserWarning)
+        with warnings.catch_warnings(), peers_named("fs.checkpoint.save"):
+            warnings.simplefilter("ignore", UserWarning)  # DCP: it saves in one process
             dcp.save(job.state_dict, storage_writer=writer, no_dist=not distributed())
     except dcp.CheckpointException as e:  # raised on every rank: DCP gathers the failures
         error = save_failed("save", job.path, job.tmp, e)
@@ -247,7 +247,8 @@ def _begin(path, tree: PyTree, keep: int | None, fn: str) -> _Job:
     paths = [path]
     if distributed():
         paths = [None] * rank_world()[1]
-        dist.all_gather_object(paths, path)
+        with peers_named(f"fs.checkpoint.{fn}"):
+            dist.all_gather_object(paths, path)
     if len(set(paths)) > 1:
         raise ValueError(
             f"{fn}: the ranks save to different paths ({', '.join(map(repr, paths))} on ranks "
