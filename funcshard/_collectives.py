@@ -78,6 +78,7 @@ import torch.distributed as dist
 from . import _debug, _liveness, _opaque
 from ._compat import all_gather_single
 from ._compile import compiling, issued, waited, waits_for
+from ._mode import transformed
 from ._profiling import span
 
 _ops = torch.ops._c10d_functional
@@ -180,7 +181,7 @@ def _free_donated(x: torch.Tensor) -> None:
     unsharded gradients after the copy-in in the same way). Only the whole storage of a plain
     tensor is freed: never under ``torch.compile`` (no storage) or ``torch.func`` (wrappers).
     """
-    if compiling() or torch._C._functorch.peek_interpreter_stack() is not None:
+    if compiling() or transformed():
         return
     storage = x.untyped_storage()
     if storage.nbytes() == x.numel() * x.element_size() and x.is_contiguous():
@@ -428,7 +429,7 @@ class _Function(torch.autograd.Function):
 
     @classmethod
     def apply(cls, *args):
-        if torch._C._are_functorch_transforms_active():
+        if transformed():
             return super().apply(*args)
         count, defaults = _signature(cls.forward)
         if len(args) < count:

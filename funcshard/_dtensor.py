@@ -34,6 +34,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ._collectives import refuse_jacfwd
 from ._compat import compiling
+from ._mode import transformed
 
 _aten = torch.ops.aten
 
@@ -208,7 +209,7 @@ def _call(function, specs, tensors) -> tuple:
     (no transform below, no gradient): one Function call fewer (see [Note: one call per tree])."""
     if (
         tensors
-        and torch._C._functorch.peek_interpreter_stack() is None
+        and not transformed()
         and not any(t.requires_grad for t in tensors)
     ):
         return function.forward(specs, *tensors)
@@ -220,7 +221,7 @@ def _keep_frozen(ctx, inputs, outputs) -> None:
     gradient, no communication; see [Note: frozen leaves] in ``_autodiff``). Plain autograd
     only: inside ``torch.func`` transforms, what is differentiated is what the transform is
     given (``requires_grad`` does not describe forward-mode duals)."""
-    if torch._C._functorch.peek_interpreter_stack() is None:
+    if not transformed():
         frozen = [y for x, y in zip(inputs, outputs, strict=True) if not x.requires_grad]
         ctx.mark_non_differentiable(*frozen)
 

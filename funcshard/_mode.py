@@ -6,8 +6,10 @@ a collective may stay pending (overlap) and a group may be freed after forward (
 saved-tensor hooks); inside a ``torch.func`` transform (or anomaly mode) everything is
 synchronous and nothing is freed (functorch refuses saved-tensor hooks and would need rules
 for the wait itself); while ``torch.compile`` traces, collectives are recorded into the graph
-and frees are the compiler's. :meth:`Mode.now` is the one place that asks torch's global state;
-a call asks once, at its entry, and hands the answer to everything it runs.
+and frees are the compiler's. This module is the one place that asks torch's global state
+(:meth:`Mode.now`, and for code that no call's mode reaches -- an autograd Function's ``apply``,
+a DTensor hook -- :func:`transformed` and :func:`capturing`; ``_compat.compiling`` for
+``torch.compile``): a call asks once, at its entry, and hands the answer to everything it runs.
 
 [Note: capture is a mode]
 While a CUDA graph is captured (``fs.cuda_graph``, or ``torch.cuda.graph`` by hand) the step
@@ -37,6 +39,12 @@ from ._compat import compiling
 # set by fs.cuda_graph around its capture (also for its CPU stand-in in tests); a capture by hand
 # with torch.cuda.graph is seen through torch's own query
 _CAPTURING = contextvars.ContextVar("funcshard_capturing", default=False)
+
+
+def transformed() -> bool:
+    """A ``torch.func`` transform (``grad``, ``vmap``, ``jvp``, ...) is active here: its
+    interpreter stack is not empty."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
 
 
 def capturing() -> bool:
@@ -70,10 +78,10 @@ class Mode(enum.Enum):
     @staticmethod
     def now() -> Mode:
         """The mode of code running here, from torch's global state."""
-        transformed = torch._C._functorch.peek_interpreter_stack() is not None
+        inside = transformed()
         if compiling():
-            return Mode.TRACED_SYNCHRONOUS if transformed else Mode.TRACED
-        if transformed:
+            return Mode.TRACED_SYNCHRONOUS if inside else Mode.TRACED
+        if inside:
             return Mode.SYNCHRONOUS
         if torch.is_anomaly_enabled():
             return Mode.ANOMALY

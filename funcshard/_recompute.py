@@ -61,6 +61,7 @@ from torch.utils.checkpoint import (
 
 from ._deferred import Deferred, release_all, resolve_all
 from ._extract import _one_per_slot, aliases, eager_grad
+from ._mode import transformed
 from ._plan import Plan
 from ._torch_checkpoint import current_frame, name_failures
 
@@ -526,7 +527,7 @@ def _vjp(call: _Call, tensors: list, wanted: list[int], grads) -> tuple:
     grads = [
         g for g, d in zip(grads, call.differentiable, strict=True) if d
     ]  # non-differentiable outputs get no gradient
-    if torch._C._functorch.peek_interpreter_stack() is None:  # plain autograd
+    if not transformed():  # plain autograd
         inputs = list(tensors)
         for i in wanted:
             inputs[i] = tensors[i].detach().requires_grad_()

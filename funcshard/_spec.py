@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from . import _dtensor, _parallel
 from ._compile import traced, untraced
+from ._mode import transformed
 from ._tree import PyTree, map_with_path
 
 
@@ -331,7 +332,7 @@ def as_locals(paths, leaves, fn: str) -> tuple[list[torch.Tensor], list[ShardSpe
     """
     specs = [spec_of(path, leaf, fn) for path, leaf in zip(paths, leaves, strict=True)]
     locals_ = [leaf.tensor if isinstance(leaf, LocalShard) else None for leaf in leaves]
-    if DIRECT and torch._C._functorch.peek_interpreter_stack() is None:
+    if DIRECT and not transformed():
         for i, leaf in enumerate(leaves):  # see [Note: differentiating the local shards]
             found = DIRECT[-1].get(id(leaf))
             if found is not None and found[0] is leaf:
