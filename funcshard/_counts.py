@@ -57,7 +57,7 @@ _WARNED: set[str] = set()  # warnings given once per process (see _warn_uneven)
 _BATCH: contextvars.ContextVar[Count] = contextvars.ContextVar("funcshard_batch", default=None)
 
 
-def mode(op: str, name: str = "grad_reduce") -> str:
+def reduction(op: str, name: str = "grad_reduce") -> str:
     """``op`` checked: one of :data:`MODES`."""
     if op not in MODES:
         raise ValueError(f"{name} must be 'mean', 'sum' or 'weighted', got {op!r}.")

@@ -3,7 +3,7 @@
 [Note: a step as a graph]
 A funcshard step is a pure function of its trees: its work depends only on the plan and the
 inputs' structure, shapes and values of Python numbers, never on the tensors' contents (with the
-optimizer's counts on the device: [Note: counts on the device] in ``optim/_kernels``). Such a
+optimizer's counts on the device: [Note: counts on the device] in ``optim/_adam_sgd``). Such a
 step can be recorded once -- every gather, the forward, the backward, every reduce-scatter, the
 optimizer update -- and replayed with one launch, with none of the host's per-op work.
 

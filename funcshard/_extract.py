@@ -22,9 +22,9 @@ import torch
 import torch.func
 from torch import nn
 
+from ._activation_checkpoint import reparametrized, watching
 from ._meta import guard as guard_meta
 from ._mode import Mode
-from ._torch_checkpoint import reparametrized, watching
 
 _ALIASES: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
 

@@ -21,7 +21,7 @@ step is the same at every call (the graph is keyed by the inputs' structure, sha
 values). What the host *reads* from the device (``.item()``, a branch on a tensor, a copy to the
 CPU) cannot be captured at all, and a value the host *holds* (a CPU step count, a learning rate
 as a number computed from one) would be frozen at its captured value: so the optimizer refuses
-host counts in this mode (see [Note: counts on the device] in ``optim/_kernels``) and
+host counts in this mode (see [Note: counts on the device] in ``optim/_adam_sgd``) and
 ``fs.cuda_graph`` refuses host reads and CPU tensors by name.
 """
 

@@ -59,11 +59,11 @@ from torch.utils.checkpoint import (
     set_device_states,
 )
 
+from ._activation_checkpoint import current_frame, name_failures
 from ._deferred import Deferred, release_all, resolve_all
 from ._extract import _one_per_slot, aliases, eager_grad
 from ._mode import transformed
 from ._plan import Plan
-from ._torch_checkpoint import current_frame, name_failures
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 

@@ -88,6 +88,7 @@ from . import (
     _regions,
     _sink,
 )
+from ._activation_checkpoint import bind, check_not_reentrant, current_frame, reparametrized
 from ._collectives import Notify
 from ._consensus import cached_digest, failing, leaf
 from ._deferred import Deferred
@@ -96,7 +97,6 @@ from ._mode import Mode
 from ._plan import Plan, Step
 from ._profiling import span
 from ._spec import LocalShard, as_locals, check_materialized
-from ._torch_checkpoint import bind, check_not_reentrant, current_frame, reparametrized
 
 
 def schedule(
@@ -135,7 +135,7 @@ def schedule(
             :func:`~funcshard.unshard`).
         TypeError: ``sharded`` is not a mapping, or a planned entry is not a shard.
     """
-    reduction = _counts.mode(grad_reduce)
+    reduction = _counts.reduction(grad_reduce)
     group_of = plan.group_of()
     tied = aliases(module)
     unplanned = [n for n, _ in module.named_parameters() if n not in group_of and n not in tied]

@@ -59,7 +59,7 @@ AREAS = {
     "_extract.py": MODULES,
     "_meta.py": MODULES,
     "_deferred.py": MODULES,
-    "_torch_checkpoint.py": MODULES,
+    "_activation_checkpoint.py": MODULES,
     "_grouping.py": SCHEDULE,
     "_plan.py": SCHEDULE,
     "_plan_meshes.py": SCHEDULE,
@@ -70,7 +70,7 @@ AREAS = {
     "_record.py": SCHEDULE,
     "_schedule.py": SCHEDULE,
     "_recompute.py": SCHEDULE,
-    "_torch_checkpoint.py::name_failures": SCHEDULE,  # the plan's recompute
+    "_activation_checkpoint.py::name_failures": SCHEDULE,  # the plan's recompute
     "_collectives.py": TORCH_FUNC,
     "_flat.py": TORCH_FUNC,
     "_materialize.py": INIT,
@@ -114,11 +114,11 @@ INDIRECT = {
         "RuntimeError",
         ["recomputed differently from its forward", "computed from its inputs and kept"],
     ),
-    "_torch_checkpoint.py::name_failures.check_named": (
+    "_activation_checkpoint.py::name_failures.check_named": (
         "RuntimeError",
         ["recomputed differently from its forward"],
     ),
-    "_torch_checkpoint.py::name_failures.recompute_named": (
+    "_activation_checkpoint.py::name_failures.recompute_named": (
         "RuntimeError",
         ["recomputed differently from its forward"],
     ),

@@ -186,7 +186,7 @@ def test_a_traced_count_is_given_to_the_schedule():
         return optim.step(opt, params, {"w": torch.ones(3)}, opt.init(params))[0]
 
     expected = one_step(optim.sgd(0.5, momentum=0.9))
-    with mock.patch("funcshard.optim._kernels.compiling", return_value=True):
+    with mock.patch("funcshard.optim._adam_sgd.compiling", return_value=True):
         torch.testing.assert_close(
             one_step(optim.sgd(optim.linear_schedule(0.5, 0.0, 4), momentum=0.9)), expected
         )

@@ -254,7 +254,7 @@ def test_a_recompute_reading_state_of_other_values_is_an_error(world2):
 
 
 def test_private_torch_checkpoint_apis_the_names_rely_on():
-    """``_torch_checkpoint.name_failures`` replaces a checkpoint frame's ``recompute_fn`` and
+    """``_activation_checkpoint.name_failures`` replaces a checkpoint frame's ``recompute_fn`` and
     ``check_recomputed_tensors_match`` and lets torch's early stop
     (``_StopRecomputationError``) through: fails here first if a torch upgrade changes them."""
     from torch.utils import checkpoint as ckpt
@@ -273,7 +273,7 @@ def test_checkpoint_failures_are_named(failure):
     recompute that matches (torch stops it early) is untouched."""
     from torch.utils.checkpoint import CheckpointError, checkpoint
 
-    from funcshard._torch_checkpoint import current_frame, name_failures
+    from funcshard._activation_checkpoint import current_frame, name_failures
 
     state: list[torch.Tensor] = []
 

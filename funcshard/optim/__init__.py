@@ -7,6 +7,7 @@
 kernels on the local shards; states are trees of DTensors placed like the parameters.
 """
 
+from ._adam_sgd import AdamState, SgdState, adam, adamw, add_decayed_weights, sgd
 from ._base import (
     EmptyState,
     GradientTransformation,
@@ -18,7 +19,6 @@ from ._base import (
 from ._clip import ClipState, clip_by_global_norm, global_norm
 from ._ema import Ema, EmaState, ema
 from ._finite import ApplyIfFiniteState, all_finite, apply_if_finite
-from ._kernels import AdamState, SgdState, adam, adamw, add_decayed_weights, sgd
 from ._layout import shard_state, state_placements
 from ._masked import MaskedState, at_least_2d, masked
 from ._muon import MuonState, muon

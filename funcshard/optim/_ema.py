@@ -17,8 +17,8 @@ from typing import NamedTuple
 import torch
 
 from .._tree import PyTree, flatten, unflatten
+from ._adam_sgd import _check, _check_state
 from ._base import leaves_like, local, wrap
-from ._kernels import _check, _check_state
 
 
 class EmaState(NamedTuple):

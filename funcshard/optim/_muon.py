@@ -29,8 +29,7 @@ from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 from .._spec import ShardSpec
 from .._tree import PyTree, flatten, map_with_path, unflatten
 from . import _whole
-from ._base import GradientTransformation, local
-from ._kernels import (
+from ._adam_sgd import (
     LearningRate,
     _check,
     _check_lr,
@@ -44,6 +43,7 @@ from ._kernels import (
     _pair,
     _writable,
 )
+from ._base import GradientTransformation, local
 from ._masked import Mask, resolve
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")

@@ -10,8 +10,8 @@ from typing import Any, NamedTuple
 import torch
 
 from .._tree import PyTree, flatten, unflatten
+from ._adam_sgd import LearningRate, adamw
 from ._base import GradientTransformation, leaves_like
-from ._kernels import LearningRate, adamw
 from ._masked import Mask, keep
 from ._muon import muon
 

@@ -5,7 +5,7 @@ with the number of updates done so far (``0`` for the first update); it returns 
 
 [Note: schedules of a tensor count]
 Under ``torch.compile`` the optimizer's step count is a traced tensor (see [Note: the step count
-under torch.compile] in ``_kernels``). Called with a tensor, a schedule computes with torch ops
+under torch.compile] in ``_adam_sgd``). Called with a tensor, a schedule computes with torch ops
 only (``clamp``, ``cos``, ``where``; no Python branch on the count, no ``int()``), in float64,
 and returns a 0-dim float64 tensor on the count's device: the graph reads the count at run time,
 so one graph serves every step, as optax's schedules of a traced count serve ``jax.jit``. Both

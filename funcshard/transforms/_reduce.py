@@ -48,7 +48,7 @@ def reduce(
         TypeError: a leaf of ``full_grads`` is not a tensor, or of ``like`` not a shard.
     """
     with failing("reduce"):  # see [Note: one status per call] in _consensus
-        op = _counts.mode(op, "op")
+        op = _counts.reduction(op, "op")
         count = _counts.own("reduce", op, count)
         paths, like_leaves, spec = flatten(like, none_is_leaf=True)
         fulls = flatten_like(

@@ -63,7 +63,7 @@ def unshard(
         found = zip(paths, specs, locals_, strict=True)
         layouts = [_flat.Layout.of(p, s, t) for p, s, t in found]
         check_materialized(paths, locals_, "unshard")
-        opts = _flat.Options("unshard", param_dtype, reduce_dtype, _counts.mode(grad_reduce))
+        opts = _flat.Options("unshard", param_dtype, reduce_dtype, _counts.reduction(grad_reduce))
         count = _counts.own("unshard", opts.grad_reduce, count)
         entries = zip(paths, specs, locals_, strict=True)
         leaves_ = [_consensus.leaf(p, s, t) for p, s, t in entries]

@@ -23,7 +23,7 @@ resolved (every region that uses a parameter resolves one inside it); ``function
 plain tensors does the same by passing the tensors that require grad as ``Deferred`` stand-ins
 that resolve to them (``watching``; eager grad mode only, nothing is registered on the module).
 This file is the only place that relies on how ``torch.utils.checkpoint`` stores its frames
-(``tests/test_torch_checkpoint.py``).
+(``tests/test_activation_checkpoint.py``).
 
 ``use_reentrant=True`` checkpoints run their forward under ``no_grad`` and differentiate the
 recompute separately; they are refused (``check_not_reentrant``).
