@@ -93,9 +93,19 @@ def launch(argv: list[str]) -> int:
     args = parse(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     options = ["--standalone", f"--nproc-per-node={args.ranks}"]
-    torchrun.run(torchrun.parse_args([*options, os.path.abspath(__file__), *argv]))
+    try:
+        torchrun.run(torchrun.parse_args([*options, os.path.abspath(__file__), *argv]))
+    except ChildFailedError as e:  # the rank's error is above (a Refused one: one line)
+        rank, failure = e.get_first_failure()
+        print(f"train_llama.py: rank {rank} failed (exit code {failure.exitcode})",
+              file=sys.stderr)  # fmt: skip
+        return 2 if failure.exitcode == 2 else 1
+    except SignalException as e:  # Ctrl-C: passed on to the ranks, which stop after a step
+        return 128 + e.sigval
     return 0
 
 
@@ -194,6 +204,14 @@ def llama_init(depth: int):
     return init
 
 
+def per_step(seconds: list[float], warmup: int = 2) -> float:
+    """Mean seconds per step, without the first ``warmup`` steps while there are later ones:
+    they compile (``--compile``), warm up and capture (``--cuda-graph``), or make NCCL's
+    communicators, and would hide the speed of the steps that follow."""
+    steady = seconds[warmup:] or seconds
+    return sum(steady) / len(steady)
+
+
 # ----------------------------------------------------------------------------- the run
 
 
@@ -215,7 +233,8 @@ def setup(a: argparse.Namespace) -> tuple[bool, str]:
 
 def main(argv: list[str] | None = None, interrupt: Interrupt | None = None) -> dict:
     """One rank of the run (under torchrun, or inside an existing group as the tests do).
-    Returns ``{"losses": [mean training loss of each step run], "step": last step}``.
+    Returns ``{"losses": [mean training loss of each step run], "step": the last step,
+    "interrupted": whether Ctrl-C stopped it}``.
 
     Raises:
         SystemExit: a bad flag (argparse's usage error).
@@ -303,7 +322,8 @@ def train(a: argparse.Namespace, device: str, interrupt: Interrupt) -> dict:
         tqdm.write(f"{n:,} parameters, {len(plan.groups)} groups, {world} ranks on {device}"
                    f"{', bf16' if bf16 else ''}{resumed}")  # fmt: skip
     bar = tqdm(total=a.steps, initial=step, disable=True if rank else None, desc="train")
-    losses, seconds, stop = [], 0.0, min(a.steps, a.stop_at) if a.stop_at else a.steps
+    losses, seconds, stopped = [], [], False
+    stop = min(a.steps, a.stop_at) if a.stop_at else a.steps
     while step < stop:
         tokens = rows(batch_at(text.train, step, a.batch, a.context, a.seed), rank, world)
         t0 = time.perf_counter()
@@ -312,10 +332,10 @@ def train(a: argparse.Namespace, device: str, interrupt: Interrupt) -> dict:
                             .to(device)])  # fmt: skip
         dist.all_reduce(both)  # the mean loss, and whether any rank got Ctrl-C
         mean, stopped = both[0].item() / world, both[1].item() > 0
-        seconds += time.perf_counter() - t0
+        seconds.append(time.perf_counter() - t0)
         step += 1
         losses.append(mean)
-        speed, mfu = throughput(len(losses) * a.batch * a.context / seconds)
+        speed, mfu = throughput(a.batch * a.context / per_step(seconds))
         bar.set_postfix_str(f"loss {mean:.3f}, {speed}, MFU {mfu}")
         bar.update()
         due = step == a.steps or stopped or (a.save_every and step % a.save_every == 0)
@@ -328,17 +348,20 @@ def train(a: argparse.Namespace, device: str, interrupt: Interrupt) -> dict:
             break
     bar.close()
     if rank == 0 and losses:
-        speed, mfu = throughput(len(losses) * a.batch * a.context / seconds)
-        tqdm.write(f"{len(losses)} steps in {seconds:.1f} s: loss {losses[0]:.3f} -> "
+        speed, mfu = throughput(a.batch * a.context / per_step(seconds))
+        tqdm.write(f"{len(losses)} steps in {sum(seconds):.1f} s: loss {losses[0]:.3f} -> "
                    f"{losses[-1]:.3f}, {speed}, MFU {mfu}")  # fmt: skip
-    return {"losses": losses, "step": step}
+    if rank == 0 and stopped:
+        saved = "; saved: continue with --resume" if a.ckpt_dir else " (no --ckpt-dir: not saved)"
+        tqdm.write(f"stopped by Ctrl-C after step {step}{saved}")
+    return {"losses": losses, "step": step, "interrupted": stopped}
 
 
 if __name__ == "__main__":  # a rank under torchrun
     INTERRUPT = Interrupt()  # Ctrl-C: every rank stops after the same step (and saves it)
     signal.signal(signal.SIGINT, INTERRUPT.handle)
     try:
-        main(interrupt=INTERRUPT)
+        sys.exit(128 + signal.SIGINT if main(interrupt=INTERRUPT)["interrupted"] else 0)
     except Refused as e:  # one message, from rank 0, not a traceback per rank
         if os.environ.get("RANK") == "0":
             print(f"train_llama.py: error: {e}", file=sys.stderr, flush=True)

@@ -80,9 +80,10 @@ def test_cuda_graph_is_refused_on_the_cpu(world2):
         world2.run(train_llama.main, [*auto, "--steps", "4", "--cuda-graph"])
 
 
-def test_help_and_the_script_on_two_ranks():
+def test_help_and_the_script_on_two_ranks(tmp_path):
     """``--help`` lists the flags; the script started as a user does (2 ranks through torchrun's
-    launcher) trains and prints its summary with tokens/s and MFU ("-" on the CPU)."""
+    launcher) trains and prints its summary with tokens/s and MFU ("-" on the CPU); a run the
+    ranks refuse is one message and exit status 2, without a traceback."""
     command = [sys.executable, "-X", "importtime", str(EXAMPLE), "--help"]
     run = subprocess.run(command, capture_output=True, text=True, timeout=60, env=ENV)
     assert run.returncode == 0 and not re.search(r"\| +torch\b", run.stderr)
@@ -93,3 +94,7 @@ def test_help_and_the_script_on_two_ranks():
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout + run.stderr
     assert "2 ranks on cpu" in out and "5 steps in" in out and "tok/s, MFU -" in out
+    run = _script(*TINY, "--steps", "5", "--ckpt-dir", str(tmp_path), "--resume")
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    refused = f"train_llama.py: error: --resume: --ckpt-dir {tmp_path} holds no checkpoint"
+    assert refused in run.stderr
