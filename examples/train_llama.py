@@ -204,7 +204,7 @@ def llama_init(depth: int):
     return init
 
 
-def per_step(seconds: list[float], warmup: int = 2) -> float:
+def per_step(seconds: list[float], warmup: int = 3) -> float:
     """Mean seconds per step, without the first ``warmup`` steps while there are later ones:
     they compile (``--compile``), warm up and capture (``--cuda-graph``), or make NCCL's
     communicators, and would hide the speed of the steps that follow."""

@@ -49,6 +49,14 @@ def test_recompute_computes_the_same_steps(world2):
     assert again == pytest.approx(plain, rel=1e-5)
 
 
+def test_bf16_follows_fp32(world2):
+    """``--bf16`` (bf16 compute, fp32 reduction and master weights): the losses of 6 steps
+    follow fp32's to bf16's precision, and are not fp32's exactly (bf16 was used)."""
+    plain = world2.run(train_llama.main, [*TINY, "--steps", "6"])[0]["losses"]
+    bf16 = world2.run(train_llama.main, [*TINY, "--steps", "6", "--bf16"])[0]["losses"]
+    assert bf16 == pytest.approx(plain, abs=0.05) and bf16 != plain
+
+
 def test_resume_continues_exactly(world2, tmp_path):
     """Saving every 2 steps, stopped after step 5 as if killed, resumed from step 4's checkpoint
     to step 8: the resumed steps' losses equal those of an uninterrupted 8-step run bit for
