@@ -278,18 +278,22 @@ def train(a: argparse.Namespace, device: str, interrupt: Interrupt) -> dict:
     config = json.dumps({k: getattr(a, k) for k in ("width", "depth", "heads", "context",
                          "batch", "steps", "lr", "warmup", "seed", "data_mb")})  # fmt: skip
     if a.ckpt_dir:
-        newest = fs.checkpoint.latest(a.ckpt_dir)
+        # rank 0's answer for all: ranks that saw the folder differently would part ways
+        found = [fs.checkpoint.latest(a.ckpt_dir) if rank == 0 else None]
+        dist.broadcast_object_list(found, src=0)
+        newest = found[0]
         if newest and not a.resume:
             raise Refused(f"--ckpt-dir {a.ckpt_dir} holds a run ({newest}): add --resume to "
                           "continue it, or give another --ckpt-dir")  # fmt: skip
         if a.resume and newest is None:
             raise Refused(f"--resume: --ckpt-dir {a.ckpt_dir} holds no checkpoint")
         if a.resume:  # see train_lm.py's [Note: exact resume]; batches are a function of step
+            theirs = fs.checkpoint.load(newest, {"config": ""}, strict=False)["config"]
+            if theirs != config:
+                raise Refused(f"{newest} was trained with {theirs}: resume with those "
+                              "options, or give another --ckpt-dir")  # fmt: skip
             like = {"params": params, "opt": state, "step": 0, "config": ""}
             saved = fs.checkpoint.load(newest, like)
-            if saved["config"] != config:
-                raise Refused(f"{newest} was trained with {saved['config']}: resume with those "
-                              "options, or give another --ckpt-dir")  # fmt: skip
             params, state, step = saved["params"], saved["opt"], saved["step"]
 
     vg = fs.value_and_grad(
