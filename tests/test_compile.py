@@ -526,6 +526,20 @@ def test_inductor(world2):
     world2.run(inductor_step)
 
 
+def inductor_step_clipped():
+    """The same with global-norm clipping (its norm all-reduced inside the compiled step), at a
+    norm small enough that every step clips: eager's steps."""
+    model, sharded, buffers = _setup()
+    opt = fs.optim.chain(fs.optim.clip_by_global_norm(1e-3), fs.optim.sgd(0.1))
+    step = _donated_step(model, buffers, opt)
+    compiled = torch.compile(step, backend="inductor", fullgraph=True)
+    _train_side_by_side(step, compiled, opt, sharded, 2)
+
+
+def test_inductor_with_clipping(world2):
+    world2.run(inductor_step_clipped)
+
+
 def inductor_scheduled():
     """A scheduled value_and_grad compiled by inductor, over two identical blocks (one
     subgraph, called twice: see funcshard/_regions.py): eager's values and gradients."""

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .. import _liveness
+from .._compat import compiling
 from .._parallel import sub_mesh_problem
 from .._tree import PyTree, flatten, unflatten
 from .._updates import before_collective
@@ -74,11 +75,22 @@ def global_norm(tree: PyTree) -> torch.Tensor:
     if any(dtensors):
         _liveness.doing("fs.optim.global_norm (the optimizer's clip): the all_reduce of the norm")
         try:
-            dist.all_reduce(total)
+            if compiling():  # see [Note: the norm's all-reduce under torch.compile]
+                ops = torch.ops._c10d_functional
+                total = ops.wait_tensor(ops.all_reduce(total, "sum", dist.group.WORLD.group_name))
+            else:
+                dist.all_reduce(total)
         except RuntimeError as e:  # a peer died, or is not at this collective: say which
             _liveness.explain(e, "the all_reduce of fs.optim.global_norm")
             raise
     return total.sqrt()
+
+
+# [Note: the norm's all-reduce under torch.compile]
+# Dynamo traces c10d's in-place `dist.all_reduce` as an effectful op on the process group
+# object, which inductor cannot lower ("'__eq__' is not implemented for ProcessGroup"): a whole
+# step with clipping compiled with the default backend failed. While compiling, the norm is
+# all-reduced with the functional collective instead, as funcshard's other collectives are.
 
 
 def _replicas(path: str, x: DTensor) -> int:
