@@ -357,9 +357,8 @@ def start_all_gather(comm: Comm, pieces, after: torch.Tensor | None = None) -> S
 # interpreter shuts down -- a forward raised (a shape mismatch, a dtype mix, a missing buffer)
 # with a prefetch still in flight, and the script ended -- the worker thread is stopped inside
 # C++ code that must not unwind, and the process aborts (`terminate called without an active
-# exception`, SIGABRT: 8 of 50 two-rank torchrun jobs whose forward raised; 0 of 50 with what
-# follows), so torchrun reports signal 6 instead of the error. So the all-gathers funcshard
-# issues asynchronously are registered until they are waited for (every one is, unless an
+# exception`, SIGABRT), so torchrun reports signal 6 instead of the error. So the all-gathers
+# funcshard issues asynchronously are registered until they are waited for (every one is, unless an
 # error cut the call short: then the registry keeps it, not the call's state), and at exit,
 # before the interpreter shuts down, each one still unfinished is waited for, at most
 # `_SETTLE_S` seconds (its peers issued it too, unless they failed earlier), and released on

@@ -206,6 +206,8 @@ def _shared(grads: Any) -> bool:
     """Whether the update is one of a multi-rank run: sharded gradients, more than one rank."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return False
+    if isinstance(grads, dict) and any(isinstance(x, DTensor) for x in grads.values()):
+        return True  # the flat {fqn: DTensor} tree of fs.shard: no flatten per step
     return any(isinstance(x, DTensor) for x in optree.tree_leaves(grads))
 
 
