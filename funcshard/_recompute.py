@@ -37,6 +37,7 @@ recompute works on copies of them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import itertools
 import re
@@ -230,7 +231,7 @@ def without_cache(sub: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dic
     if hf_layer is None or not isinstance(sub, hf_layer):
         return args, kwargs
     try:
-        bound = inspect.signature(type(sub).forward).bind(sub, *args, **kwargs)
+        bound = _signature(type(sub).forward).bind(sub, *args, **kwargs)
     except (TypeError, ValueError):  # the call fails as it is: let the forward say why
         return args, kwargs
     named = {**bound.arguments, **bound.arguments.get(_var_keyword(bound), {})}
@@ -254,6 +255,12 @@ def without_cache(sub: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dic
         else:
             bound.arguments.setdefault(extra, {})[k] = v
     return bound.args[1:], bound.kwargs
+
+
+@functools.cache
+def _signature(forward: Callable) -> inspect.Signature:
+    """A layer's forward's signature, read once per class (it is bound at every call)."""
+    return inspect.signature(forward)
 
 
 def _var_keyword(bound: inspect.BoundArguments) -> str | None:
