@@ -6,6 +6,7 @@ from ._bucketing import merge_groups
 from ._construction import Construction, on_meta
 from ._cuda_graph import cuda_graph
 from ._debug import checking_collectives
+from ._explain import Collective, Explanation, GroupCost, Hardware, Moment, explain
 from ._extract import extract, functional_call
 from ._grouping import group
 from ._materialize import materialize
@@ -15,15 +16,21 @@ from ._spec import LocalShard, ShardSpec, from_local, to_local, tree_map
 from .transforms import reduce, shard, unshard
 
 __all__ = [
+    "Collective",
     "Construction",
+    "Explanation",
     "Group",
+    "GroupCost",
+    "Hardware",
     "LocalShard",
+    "Moment",
     "Plan",
     "ShardSpec",
     "Step",
     "checking_collectives",
     "checkpoint",
     "cuda_graph",
+    "explain",
     "extract",
     "from_local",
     "functional_call",

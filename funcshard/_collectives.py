@@ -76,7 +76,7 @@ import torch
 import torch.distributed as dist
 
 from . import _debug, _liveness, _opaque
-from ._compat import all_gather_single
+from ._compat import all_gather_single, storage_key
 from ._compile import compiling, issued, waited, waits_for
 from ._mode import transformed
 from ._profiling import span
@@ -132,7 +132,7 @@ def wait(t: torch.Tensor) -> torch.Tensor:
         return waited(_ops.wait_tensor(t)) if waits_for(t) else t
     if not _PENDING:
         return t
-    ptr = t.untyped_storage().data_ptr()
+    ptr = storage_key(t)
     if ptr not in _PENDING:
         return t
     _PENDING.discard(ptr)
@@ -191,7 +191,7 @@ def _free_donated(x: torch.Tensor) -> None:
 def _pending_or_waited(y: torch.Tensor, comm: Comm, donated: torch.Tensor | None):
     if comm.async_op and y.numel():  # see [Note: empty shards are reduced synchronously]
         if donated is not None:
-            _DONATED[y.untyped_storage().data_ptr()] = donated
+            _DONATED[storage_key(y)] = donated
         return y
     return wait(y)
 
@@ -200,7 +200,7 @@ def _issued(y: torch.Tensor) -> torch.Tensor:
     """``y``, a functional collective's output just issued: pending until :func:`wait`."""
     if compiling():
         return issued(y)
-    _PENDING.add(y.untyped_storage().data_ptr())
+    _PENDING.add(storage_key(y))
     return y
 
 

@@ -23,6 +23,14 @@ HAS_2_13 = TORCH >= (2, 13)
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def storage_key(t: torch.Tensor | torch.UntypedStorage) -> int:
+    """The identity of ``t``'s storage (or of the storage ``t``), shared by its views: the
+    address of its StorageImpl
+    (not of its data: a fake tensor's data pointer is always 0, and a freed storage's too).
+    Private (``_cdata``): see tests/test_compile.py::test_private_torch_apis_of_compat."""
+    return (t.untyped_storage() if isinstance(t, torch.Tensor) else t)._cdata
+
+
 def compiling() -> bool:
     """Whether code runs as part of a ``torch.compile`` session: traced by Dynamo, or run by
     it or AOTAutograd while they trace (a ``nonstrict_trace`` function, a backward).

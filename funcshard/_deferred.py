@@ -99,7 +99,8 @@ class Deferred(torch.Tensor):
         cls, fqn: str, shape, dtype: torch.dtype, device, resolver: Resolver, dtensor=False
     ) -> Deferred:
         """``dtensor``: the real tensor is a DTensor (see :class:`_DeferredDTensor`)."""
-        if compiling():  # a plain meta tensor, also while torch.compile traces
+        if compiling() or torch._C._len_torch_dispatch_stack():
+            # a plain meta tensor, also under a trace's or fs.explain's fake tensor mode
             with untraced():
                 placeholder = torch.empty(shape, dtype=dtype, device="meta")
         else:

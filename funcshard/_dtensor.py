@@ -207,11 +207,7 @@ class FromLocal(torch.autograd.Function):
 def _call(function, specs, tensors) -> tuple:
     """A rule's inner ``function.apply``, or its ``forward`` when the tensors need no autograd
     (no transform below, no gradient): one Function call fewer (see [Note: one call per tree])."""
-    if (
-        tensors
-        and not transformed()
-        and not any(t.requires_grad for t in tensors)
-    ):
+    if tensors and not transformed() and not any(t.requires_grad for t in tensors):
         return function.forward(specs, *tensors)
     return function.apply(specs, *tensors)
 

@@ -31,6 +31,7 @@ from torch.distributed.tensor import Shard
 
 from . import _collectives as C
 from . import _counts, _opaque
+from ._compat import storage_key
 from ._compile import after_waits, compiling
 from ._mode import Mode
 from ._spec import ShardSpec
@@ -420,11 +421,10 @@ def _release(tensors: Sequence[torch.Tensor], keep: Sequence[torch.Tensor]) -> N
     """
     if compiling():  # traced tensors have no storage: the compiler frees after the last use
         return
-    kept = {t.untyped_storage().data_ptr() for t in keep}
+    kept = {storage_key(t) for t in keep}
     for t in tensors:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in kept:
-            storage.resize_(0)
+        if storage_key(t) not in kept:
+            t.untyped_storage().resize_(0)
 
 
 def _flat_dtype(opts: Options, dtype: torch.dtype) -> torch.dtype:

@@ -90,6 +90,7 @@ from . import (
 )
 from ._activation_checkpoint import bind, check_not_reentrant, current_frame, reparametrized
 from ._collectives import Notify
+from ._compat import storage_key
 from ._consensus import cached_digest, failing, leaf
 from ._deferred import Deferred
 from ._extract import Walk, aliases, call, check_not_wrapped, slots
@@ -171,7 +172,21 @@ def schedule(
         run.end_forward()
         return out
 
+    apply.scheduled = Scheduled(module, plan, param_dtype, reduce_dtype, grad_reduce)
     return apply
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheduled:
+    """What :func:`schedule` made an ``apply`` of (its attribute ``scheduled``): the module, the
+    plan and the call's dtypes, for tools that read the step without running it
+    (:func:`~funcshard.explain`)."""
+
+    module: nn.Module
+    plan: Plan
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    grad_reduce: str
 
 
 @contextlib.contextmanager
@@ -329,10 +344,10 @@ def _agreed(plan: Plan) -> tuple[tuple[str, str], ...]:
 
 
 def _storage(t: torch.Tensor) -> int | None:
-    """The address of ``t``'s storage; ``None`` for a wrapper tensor subclass, which has none
+    """The identity of ``t``'s storage; ``None`` for a wrapper tensor subclass, which has none
     (an all-to-all's ``AsyncCollectiveTensor`` in an expert-parallel forward: never ours)."""
     try:
-        return t.untyped_storage().data_ptr()
+        return storage_key(t)
     except RuntimeError:
         return None
 
@@ -449,14 +464,12 @@ class _Group:
     def _own_storages(self) -> list[tuple[torch.UntypedStorage, int]]:
         """The storages of the full tensors that are freed after forward: not those of the
         shards themselves (a mesh of one rank gathers nothing, see ``_flat``)."""
-        shards = (
-            {t.untyped_storage().data_ptr() for t in self.locals} if self.lowered.aliases else ()
-        )
+        shards = {storage_key(t) for t in self.locals} if self.lowered.aliases else ()
         seen = {}
         for t in self.raw:
             s = t.untyped_storage()
-            if s.data_ptr() not in shards:
-                seen.setdefault(s.data_ptr(), (s, s.nbytes()))
+            if storage_key(t) not in shards:
+                seen.setdefault(storage_key(t), (s, s.nbytes()))
         return list(seen.values())
 
     @property
@@ -482,7 +495,7 @@ class _Group:
         ids of the tensors they view (see [Note: a plan under torch.compile])."""
         if self.mode is Mode.TRACED:
             return [id(_compile.root(t)) for t in self.raw or ()] if self.resident else []
-        return [s.data_ptr() for s, _ in self.storages if s.data_ptr()]
+        return [storage_key(s) for s, _ in self.storages if s.nbytes()]
 
 
 class _Run:
@@ -713,6 +726,7 @@ class _Run:
 
     def _enter(self, op: str, group: str) -> None:
         self._exit()
+        _liveness.step(Step(op, group), self.in_forward)  # the compute step, as plan steps
         self.range = span(op, group)
         self.range.__enter__()
 

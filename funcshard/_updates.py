@@ -51,6 +51,7 @@ from typing import Any
 import optree
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 
 from ._compile import compiling
@@ -231,6 +232,7 @@ def _steps(state: Any) -> str:
             and x.device.type == "cpu"
             and not x.is_floating_point()
             and x.dtype != torch.bool
+            and not is_fake(x)  # fs.explain's step: no values
         ):
             found.append(str(int(x)))
     return "/".join(found) if found else "?"

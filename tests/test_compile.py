@@ -782,3 +782,25 @@ def test_private_torch_apis_of_compat():
     body(x).sum().backward()  # eagerly
     assert seen == [("body", False), ("forward", False), ("backward", False)]
     torch.testing.assert_close(x.grad, torch.full((3,), 6.0))
+
+
+def test_private_torch_api_of_storage_key():
+    """What funcshard/_compat.py's ``storage_key`` relies on (``UntypedStorage._cdata``): one
+    key for a tensor and its views, another for another tensor, distinct for fake tensors
+    (whose data pointers are all 0), and stable while a storage is emptied and refilled. Fails
+    on a torch upgrade that changes it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from funcshard._compat import storage_key
+
+    a, b = torch.zeros(4), torch.zeros(4)
+    assert storage_key(a) == storage_key(a.view(2, 2)) == storage_key(a.untyped_storage())
+    assert storage_key(a) != storage_key(b)
+    key = storage_key(a)
+    a.untyped_storage().resize_(0)
+    a.untyped_storage().resize_(16)
+    assert storage_key(a) == key
+    with FakeTensorMode():
+        c, d = torch.empty(4), torch.empty(4)
+        assert storage_key(c) != storage_key(d)
+        assert storage_key(c[1:]) == storage_key(c)
