@@ -199,6 +199,7 @@ class Explanation:
     predicted_step_s: float
     hardware: Hardware
     operators: int
+    transfers: tuple[tuple[str, str, float, float], ...] = ()  # (kind, group, start_s, end_s)
 
     @property
     def at_peak(self) -> dict[str, int]:
@@ -438,6 +439,7 @@ class _Issued:
     end_s: float
     outputs: tuple[int, ...]
     held: int  # bytes the backend holds on this thread until the wait (gloo's input copy)
+    start_s: float = 0.0
 
 
 class _Ledger(TorchDispatchMode):
@@ -708,6 +710,7 @@ class _Ledger(TorchDispatchMode):
             in_bytes if kind == "reduce_scatter" and _copies_input(pg, src) else 0,
         )
         self.live["gradients"] += issued.held
+        issued.start_s = start
         self.issued.append(issued)
         self.pending.append(issued)
 
@@ -769,6 +772,7 @@ class _Ledger(TorchDispatchMode):
             predicted_step_s=step_s,
             hardware=hw,
             operators=self.operators,
+            transfers=tuple((c.kind, c.group, c.start_s, c.end_s) for c in self.issued),
         )
 
 
