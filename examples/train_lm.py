@@ -98,6 +98,8 @@ class Config:
                               "torchrun, its --nproc-per-node decides)")  # fmt: skip
     timeout_min: float = _flag(10.0, "minutes a rank waits for the others before failing")
     smoke: bool = _flag(False, "a tiny configuration that checks its own result (the tests')")
+    explain: bool = _flag(False, "print the plan and its predicted memory, communication and "
+                          "time per rank (fs.explain), then exit without training")  # fmt: skip
 
 
 # A few seconds: what the tests run (`--smoke`); flags given as well override these.
@@ -450,8 +452,25 @@ def optimizer(cfg: Config) -> fs.optim.GradientTransformation:
 
 def lm_loss(apply, params, buffers, tokens: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of predicting each next token of ``tokens`` ([b, t + 1])."""
-    logits = apply(params, tokens[:, :-1], buffers=buffers)
+    return next_token_loss(apply(params, tokens[:, :-1], buffers=buffers), tokens)
+
+
+def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy of ``logits`` ([b, t, vocab]) against ``tokens[:, 1:]``."""
     return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def explained(apply, opt, params, buffers, tokens) -> fs.Explanation:
+    """This rank's step on ``tokens`` predicted by ``fs.explain``: memory, collectives, time
+    (nothing computed or communicated; docs/explain.md)."""
+    return fs.explain(
+        apply,
+        params,
+        tokens[:, :-1],
+        buffers=buffers,
+        optimizer=opt.opt if isinstance(opt, Averaged) else opt,
+        loss=lambda logits, _: next_token_loss(logits, tokens),
+    )
 
 
 def train_step(apply, opt, params, buffers, opt_state, tokens):
@@ -636,6 +655,7 @@ class Result(NamedTuple):
     heldout_ema: list  # with --ema: (step, held-out loss of the average) of each evaluation
     interrupted: bool = False  # Ctrl-C stopped the run (after `step`)
     saved: str | None = None  # the last checkpoint this run saved
+    explanation: fs.Explanation | None = None  # with --explain: this rank's predicted step
 
 
 def init_distributed(cfg: Config, restart: int = 0) -> bool:
@@ -729,6 +749,13 @@ def train(cfg: Config, interrupt: Interrupt, restart: int = 0) -> Result:
         if line:
             say(line)
     record(start=step, restart=restart)
+    if cfg.explain:
+        tokens = rows(batch_at(text.train, position, cfg.batch, cfg.context, cfg.seed), rank, world)
+        explanation = explained(apply, opt, params, buffers, tokens)
+        say(f"{plan}\n\n{explanation}")
+        return Result(
+            params, step, [], [], len(text.vocab), text.entropy, None, [], explanation=explanation
+        )
 
     losses, heldout, heldout_ema, saving, seconds = [], [], [], None, 0.0
     if step == 0:

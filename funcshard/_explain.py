@@ -620,7 +620,7 @@ class _Ledger(TorchDispatchMode):
             return out
         kind = _COLLECTIVES.get(name)
         if kind is not None:
-            self._collective(kind, args, out)
+            self._collective(kind, func, args, out)
         elif name in _WAITS:
             self._wait_tensor(args[0])
         else:
@@ -674,21 +674,18 @@ class _Ledger(TorchDispatchMode):
             if group is not None and self.phase in self.flops:
                 self.flops[self.phase][group] = self.flops[self.phase].get(group, 0) + flops
 
-    def _collective(self, kind: str, args, out) -> None:
+    def _collective(self, kind: str, func, args, out) -> None:
         if not self.counting:
             return
         self.operators += 1
         _, pg, label = _liveness.RECORD.collective or (kind, None, "")
-        tensors_in = _tensors(args[:2]) if kind != "all_reduce" else _tensors(args[:1])
         outs = _tensors(out)
-        if kind == "all_gather":
-            src, dst = _tensors(args[1:2]) or tensors_in, _tensors(args[0:1])
-        elif kind == "reduce_scatter":
-            src, dst = _tensors(args[1:2]), _tensors(args[0:1])
-        else:
-            src = dst = _tensors(args[0:1])
-        if not dst:  # functional collectives: input first, output returned
+        if func.namespace == "_c10d_functional":  # input first, output returned
             src, dst = _tensors(args[0:1]), outs
+        elif kind == "all_reduce":  # in place
+            src = dst = _tensors(args[0:1])
+        else:  # c10d's: (output, input, ...)
+            src, dst = _tensors(args[1:2]), _tensors(args[0:1])
         in_bytes = sum(t.numel() * t.element_size() for t in src)
         out_bytes = sum(t.numel() * t.element_size() for t in dst)
         world = dist.get_world_size(pg) if pg is not None else 1
