@@ -69,11 +69,12 @@ def _with_root(plan: fs.Plan, value) -> fs.Plan:
     return plan.replace(groups=groups)
 
 
-def int_vs_fsdp2(n: int):
+def int_vs_fsdp2(n: int, shape: tuple[int, ...] | None = None, recompute=None):
     """One step of fs.schedule and of FSDP2 (each block and the root with
-    ``reshard_after_forward=n``) on a 1-D mesh of every rank; the unsharded model as well."""
+    ``reshard_after_forward=n``) on a mesh of ``shape`` (default: 1-D, every rank; 2-D is
+    HSDP); the unsharded model as well."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    m = mesh(world)
+    m = mesh(*(shape or (world,)))
     ref = make(layers=3)
     for block in ref.blocks:
         fully_shard(block, mesh=m, reshard_after_forward=n)
@@ -83,7 +84,8 @@ def int_vs_fsdp2(n: int):
     params, buffers = fs.extract(model)
     buffers = {k: v.clone() for k, v in buffers.items()}
     sharded = fs.shard(params, m)
-    plan = _with_root(fs.plan(model, fs.policy.by_type(Block), reshard_after_forward=n), n)
+    plan = fs.plan(model, fs.policy.by_type(Block), reshard_after_forward=n, recompute=recompute)
+    plan = _with_root(plan, n)
     model.to("meta")
     apply = fs.schedule(model, plan)
     batch = tokens(rank)
@@ -126,9 +128,21 @@ def test_int_matches_fsdp2_4_ranks(worlds):
     _check_int_vs_fsdp2(worlds(4).run(int_vs_fsdp2, 2), 4, 2)
 
 
+def test_int_with_recompute_matches_fsdp2(worlds):
+    """A group that recomputes its forward is gathered again (within its sub-group) once."""
+    _check_int_vs_fsdp2(worlds(4).run(int_vs_fsdp2, 2, None, True), 4, 2)
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_int_matches_fsdp2_8_ranks(worlds, n):
     _check_int_vs_fsdp2(worlds(8).run(int_vs_fsdp2, n), 8, n)
+
+
+def test_int_hsdp_matches_fsdp2_8_ranks(worlds):
+    """HSDP (2 replicas of 4 shards): sub-groups of 2 within each replica's shard dim."""
+    results = worlds(8).run(int_vs_fsdp2, 2, (2, 4))
+    _check_int_vs_fsdp2(results, 4, 2)
+    assert all(r[4]["all_reduce over 2"][0] == 4 for r in results)
 
 
 def kept_after_forward(n: int):
@@ -227,3 +241,46 @@ def test_int_not_dividing_the_shard_dim_is_named(worlds):
     for message in worlds(4).run(not_a_divisor):
         assert "group 'blocks.0'" in message and "reshard_after_forward=3" in message
         assert "does not divide the size 4" in message and "divisor of 4" in message
+
+
+def test_under_torch_compile_int_is_a_full_reshard(worlds):
+    """Traced, a ``reshard`` step frees as ``free`` does: the compiled backward gathers each
+    block again over the whole dim, with eager's values (see [Note: reshard to a smaller
+    mesh])."""
+    from test_compile import schedule_follows_plan
+
+    for same, events, planned, kept_out in worlds(4).run(schedule_follows_plan, 2):
+        assert same, (events, planned)
+        assert planned.count(("all_gather", "blocks.0")) == 2
+        assert all(kept_out.values()), kept_out
+
+
+def under_torch_func(n: int):
+    """torch.func.grad_and_value over an int plan: nothing is freed (see [Note: reshard
+    after forward without saved-tensor tricks inside torch.func]), so no sub-group gathers;
+    the loss and gradients of plain autograd."""
+    world = dist.get_world_size()
+    model = make(layers=2, batchnorm=False)
+    params, buffers = fs.extract(model)
+    sharded = fs.shard(params, mesh(world))
+    plan = fs.plan(model, fs.policy.by_type(Block), reshard_after_forward=n)
+    model.to("meta")
+    apply = fs.schedule(model, plan)
+    batch = tokens(dist.get_rank())
+    loss_fn = lambda p: lm_loss(apply(p, batch, buffers=buffers), batch)
+    with _Sizes() as plain:
+        loss = loss_fn(sharded)
+        grads = torch.autograd.grad(loss, list(sharded.values()))
+    with _Sizes() as func:
+        func_grads, value = torch.func.grad_and_value(loss_fn)(fs.to_local(sharded))
+    func_grads = fs.from_local(func_grads)
+    err = max((g - func_grads[k]).abs().max().item() for k, g in zip(sharded, grads, strict=True))
+    return abs(value.item() - loss.item()), err, plain.totals(), func.totals()
+
+
+def test_under_torch_func_int_keeps_everything(worlds):
+    for loss_err, grad_err, plain, func in worlds(4).run(under_torch_func, 2):
+        assert loss_err < 1e-6 and grad_err < 1e-6, (loss_err, grad_err)
+        assert plain["all_gather over 2"][0] == 2, plain  # the blocks, again in backward
+        assert set(func) == {"all_gather over 4", "reduce_scatter over 4"}, func
+        assert func["all_gather over 4"] == plain["all_gather over 4"], (plain, func)
