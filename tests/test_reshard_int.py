@@ -284,3 +284,22 @@ def test_under_torch_func_int_keeps_everything(worlds):
         assert plain["all_gather over 2"][0] == 2, plain  # the blocks, again in backward
         assert set(func) == {"all_gather over 4", "reduce_scatter over 4"}, func
         assert func["all_gather over 4"] == plain["all_gather over 4"], (plain, func)
+
+
+def test_merge_groups_keeps_the_int():
+    """Groups merge only with neighbours resharded alike: 2 with 2, not 1 with True (equal
+    as Python values)."""
+    model = make(layers=2)
+    plan = _tiny_plan(2)
+    merged = fs.merge_groups(plan, model, 10**9)
+    assert [(g.name, g.reshard_after_forward) for g in merged.groups] == [
+        ("", False),
+        ("blocks.0..blocks.1", 2),
+    ]
+    values = {"": False, "blocks.0": 1, "blocks.1": True}
+    mixed = plan.replace(
+        groups=tuple(
+            dataclasses.replace(g, reshard_after_forward=values[g.name]) for g in plan.groups
+        )
+    )
+    assert len(fs.merge_groups(mixed, model, 10**9).groups) == 3
