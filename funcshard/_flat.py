@@ -537,12 +537,13 @@ def issue(
     # see [Note: a gather's copy-in follows the waits before it] in _compile
     after = after_waits() if early else None
     started = []
-    for b in lowered.buckets:
+    for j, b in enumerate(lowered.buckets):
         xs = [tensors[i] for i in b.index]
         comms, replicas = (b.comms, b.replicas) if counts is None else _weighted(b, counts)
         state: _Level | list[torch.Tensor]
-        if kept is not None and kept[len(started)] is not None:
-            state = _from_kept(b, kept[len(started)])  # type: ignore[arg-type]
+        slice_ = None if kept is None else kept[j]
+        if slice_ is not None:  # see [Note: reshard to a smaller mesh]
+            state = _from_kept(b, slice_)
         elif b.local:  # see [Note: one rank communicates nothing] in _collectives
             comm = b.comms[0] if b.comms else b.replicas[0]
             state = [C.one_rank(x, comm) for x in xs]

@@ -87,7 +87,7 @@ def post(comm: C.Comm, mesh, mesh_dim: int, n: int) -> Post | None:
     if n <= 1 or n >= comm.world:
         return None
     group, index = subgroup(mesh, mesh_dim, n)
-    return Post(dataclasses.replace(C.Comm(group, n, comm.label), async_op=True), index, comm.world)
+    return Post(C.Comm(group, n, comm.label, async_op=True), index, comm.world)
 
 
 def subgroup(mesh, mesh_dim: int, n: int) -> tuple[dist.ProcessGroup, int]:

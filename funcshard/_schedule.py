@@ -482,7 +482,8 @@ class _Group:
             self._move(State.SHARDED if self.raw is None else State.FREED)
         if self.resident and self.freeable:
             with span("reshard" if keep else "free", self.name):
-                if keep and self.lowered.keeps and self.mode is Mode.EAGER:
+                # nothing to keep for a forward without backward (no_grad)
+                if keep and self.lowered.keeps and torch.is_grad_enabled():
                     with torch.no_grad():
                         self.kept = _flat.keep(self.raw, self.lowered)
                 for s, _ in self.storages:

@@ -166,9 +166,12 @@ def kept_after_forward(n: int):
     _schedule._Run.__init__ = record
     try:
         loss = lm_loss(apply(sharded, tokens(dist.get_rank()), buffers=buffers), tokens(0))
+        with torch.no_grad():  # no backward to come: nothing kept
+            apply(sharded, tokens(dist.get_rank()), buffers=buffers)
     finally:
         _schedule._Run.__init__ = init
-    (run,) = runs
+    run, inference = runs
+    assert all(state.kept is None for state in inference.groups.values())
     out = {}
     for g in plan.groups:
         state = run.groups[g.name]
