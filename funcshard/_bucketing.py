@@ -136,7 +136,9 @@ def _buckets(plan: Plan, nbytes: Mapping[str, int], max_bytes: int) -> list[list
         and plan.backward_order.count(g.name) <= 1
         and not g.recompute
     }
-    reshard = {g.name: g.reshard_after_forward for g in plan.groups}
+    reshard = {
+        g.name: (type(g.reshard_after_forward), g.reshard_after_forward) for g in plan.groups
+    }
     buckets: list[list[str]] = []
     total = 0
     for g in plan.order:
@@ -145,7 +147,7 @@ def _buckets(plan: Plan, nbytes: Mapping[str, int], max_bytes: int) -> list[list
             last is not None
             and g in once
             and last[-1] in once
-            and reshard[last[-1]] == reshard[g]
+            and reshard[last[-1]] == reshard[g]  # (kind, value): True is not the int 1
             and total + nbytes[g] <= max_bytes
         )
         if fits:

@@ -30,7 +30,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 from . import _collectives as C
-from . import _counts, _opaque
+from . import _counts, _opaque, _post_forward
 from ._compat import storage_key
 from ._compile import after_waits, compiling
 from ._mode import Mode
@@ -142,6 +142,7 @@ class Bucket:
     replicas: tuple[C.Comm, ...]
     out_dtype: torch.dtype
     local: bool
+    post: _post_forward.Post | None = None  # see [Note: reshard to a smaller mesh]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +158,11 @@ class Lowered:
     local: bool  # every bucket is local: nothing is ever pending
     aliases: bool  # some bucket is local: a full tensor may be its shard itself
     shards_only: bool  # every full tensor is its shard itself: nothing to gather or free
+
+    @property
+    def keeps(self) -> bool:
+        """Some bucket keeps a slice after forward (see [Note: reshard to a smaller mesh])."""
+        return any(b.post is not None for b in self.buckets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,10 +440,21 @@ def _flat_dtype(opts: Options, dtype: torch.dtype) -> torch.dtype:
 
 
 def lower(
-    dtypes: Sequence[torch.dtype], layouts: Sequence[Layout], opts: Options, mode: Mode
+    dtypes: Sequence[torch.dtype],
+    layouts: Sequence[Layout],
+    opts: Options,
+    mode: Mode,
+    post_forward: int | None = None,
 ) -> Lowered:
     """The gather of leaves of ``dtypes`` (their local shards') and ``layouts``, lowered once
-    for ``mode``: buckets, collectives and dtypes depend on the structure alone."""
+    for ``mode``: buckets, collectives and dtypes depend on the structure alone.
+
+    ``post_forward``: the group's ``reshard_after_forward=N`` (``N >= 2``), for which eager
+    buckets get their sub-group of ``N`` ranks (see [Note: reshard to a smaller mesh]).
+
+    Raises:
+        ValueError: ``post_forward`` does not divide the size of a bucket's sharded mesh dim.
+    """
     if opts.grad_reduce == "weighted":
         _counts.refuse_experts([lay.path for lay in layouts if lay.over > 1])
     flat = tuple(_flat_dtype(opts, d) for d in dtypes)
@@ -455,7 +472,16 @@ def lower(
         )
         # one rank everywhere, and no expert-parallel mean to divide by
         local = all(c.world == 1 and c.over == 1 for c in (*comms, *replicas))
-        buckets.append(Bucket(tuple(idx), lays, tuple(sharded), comms, replicas, out_dtype, local))
+        post = None
+        if post_forward is not None and sharded:
+            sizes = [lays[0].spec.mesh.size(m) for m in sharded]
+            _post_forward.check(opts.label, post_forward, sizes, [lay.path for lay in lays])
+            if mode is Mode.EAGER and len(sharded) == 1:
+                mesh = lays[0].spec.mesh
+                post = _post_forward.post(comms[0], mesh, sharded[0], post_forward)
+        buckets.append(
+            Bucket(tuple(idx), lays, tuple(sharded), comms, replicas, out_dtype, local, post)
+        )
     local = [b.local for b in buckets]
     uncast = all(d == f == (opts.param_dtype or d) for d, f in zip(dtypes, flat, strict=True))
     return Lowered(
@@ -494,6 +520,7 @@ def issue(
     lowered: Lowered,
     armed: Sequence[torch.Tensor] | None = None,
     counts: Sequence[float | None] | None = None,
+    kept: Sequence[torch.Tensor | None] | None = None,
 ) -> Inflight:
     """Start gathering ``tensors`` (logical local shards) to their full logical shapes, as
     ``lowered`` says.
@@ -502,17 +529,22 @@ def issue(
     autograd each bucket's first all-gather is left pending; :func:`finish` waits.
     ``counts``: every rank's, for a ``"weighted"`` call (see [Note: the first reduction
     carries the weight]).
+    ``kept``: per bucket, the slice :func:`keep` kept after forward, or ``None``: those
+    buckets are gathered from it within their sub-group (a re-gather, without autograd).
     """
     tensors = list(armed) if armed is not None else arm(tensors, lowered)
     early = lowered.mode is Mode.TRACED
     # see [Note: a gather's copy-in follows the waits before it] in _compile
     after = after_waits() if early else None
     started = []
-    for b in lowered.buckets:
+    for j, b in enumerate(lowered.buckets):
         xs = [tensors[i] for i in b.index]
         comms, replicas = (b.comms, b.replicas) if counts is None else _weighted(b, counts)
         state: _Level | list[torch.Tensor]
-        if b.local:  # see [Note: one rank communicates nothing] in _collectives
+        slice_ = None if kept is None else kept[j]
+        if slice_ is not None:  # see [Note: reshard to a smaller mesh]
+            state = _from_kept(b, slice_)
+        elif b.local:  # see [Note: one rank communicates nothing] in _collectives
             comm = b.comms[0] if b.comms else b.replicas[0]
             state = [C.one_rank(x, comm) for x in xs]
         elif b.comms:
@@ -525,6 +557,30 @@ def issue(
             state = _split(flat, [tuple(x.shape) for x in xs], none, none)
         started.append(_Started(b, state, comms))
     return Inflight(started, len(tensors))
+
+
+def keep(fulls: Sequence[torch.Tensor], lowered: Lowered) -> list[torch.Tensor | None]:
+    """Per bucket, the slice of ``fulls`` (a group's gathered tensors) kept after forward, or
+    ``None`` (see [Note: reshard to a smaller mesh])."""
+    return [
+        None
+        if b.post is None
+        else _post_forward.keep([fulls[i] for i in b.index], b.layouts, b.sharded[0], b.post)
+        for b in lowered.buckets
+    ]
+
+
+def _from_kept(b: Bucket, kept: torch.Tensor) -> _Level:
+    """The re-gather of a bucket from its kept slice: the sub-group's all-gather, which gives
+    the whole dim's ``[W, S]`` buffer; copied out as the full gather (``_finish_level``)."""
+    m, comm = b.sharded[0], b.comms[0]
+    dims = [lay.dim(m) for lay in b.layouts]
+    sizes = [lay.levels[m][d] for lay, d in zip(b.layouts, dims, strict=True)]
+    # the pieces only give their shapes: the gathered buffer is handed to AllGather ready
+    scalar = kept.new_empty(())
+    pieces = [scalar.expand(s) for s in _post_forward.padded_shapes(b.layouts, m, comm.world)]
+    started = C.start_all_gather(b.post.comm, [kept])  # type: ignore[union-attr]
+    return _Level(pieces, comm, (), started, dims, sizes)
 
 
 def wait_transfers(inflight: Inflight) -> None:

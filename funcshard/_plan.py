@@ -33,7 +33,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ._grouping import Policy, any_of, by_type, group
 
-OPS = ("all_gather", "wait", "forward", "free", "backward", "reduce_scatter")
+OPS = ("all_gather", "wait", "forward", "free", "reshard", "backward", "reduce_scatter")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +56,13 @@ class Group:
     ``recompute``: the group's module (``module.get_submodule(name)``) keeps no activations in
     forward and recomputes its forward in backward (activation checkpointing; see
     [Note: recompute as part of the plan]). Not for the root group ``""``.
+    ``reshard_after_forward``: what the group keeps after its last forward run, as FSDP2's
+    ``fully_shard`` argument: ``True`` its shards only (the full tensors are freed and gathered
+    again in backward, plan step ``free``); ``False`` its full tensors, until its backward ends
+    (no step); an int ``N``: a ``1/N`` slice of them, so that backward gathers them again within
+    a sub-group of ``N`` ranks only (plan step ``reshard``; see [Note: reshard to a smaller
+    mesh]). ``N`` must divide the size of the group's sharded mesh dim (checked by
+    :func:`~funcshard.schedule`); ``N == 1`` is ``False``, ``N`` equal to that size is ``True``.
     ``meshes``: how the group's parameters are communicated, as ``(label, params)`` pairs, one
     per mesh (and kind of placement): ``("gathered over dp(4)", ("w", "b"))``, ``("gathered
     over efsdp(2), expert parallel over ep(2) (mean over 4)", ("experts.w1",))``. Filled by
@@ -65,7 +72,7 @@ class Group:
 
     name: str
     params: tuple[str, ...]
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | int = True
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     recompute: bool = False
@@ -95,12 +102,10 @@ class Plan:
         set_("order", tuple(self.order))
         set_("backward_order", tuple(self.backward_order or reversed(self.order)))
         _validate(self)
-        reshard = {g.name: g.reshard_after_forward for g in self.groups}
-        forward = _plan_steps(
-            self.order, self.prefetch, (), "forward", lambda g: ("free",) if reshard[g] else ()
-        )
+        after = {g.name: after_forward(g.reshard_after_forward) for g in self.groups}
+        forward = _plan_steps(self.order, self.prefetch, (), "forward", after.__getitem__)
         # a group is unsharded at the start of backward if it was never freed in forward
-        kept = set(reshard) - {s.group for s in forward if s.op == "free"}
+        kept = set(after) - {s.group for s in forward if s.op in _RELEASES}
         backward = _plan_steps(
             self.backward_order,
             self.backward_prefetch,
@@ -203,7 +208,7 @@ class Plan:
         ]
         width = max((len(g.name or "<root>") for g in self.groups), default=6)
         for g in self.groups:
-            notes = [] if g.reshard_after_forward else ["kept unsharded after forward"]
+            notes = [n for n in (_after_forward_note(g.reshard_after_forward),) if n]
             notes += [f"{k} {str(v).removeprefix('torch.')}" for k, v in _dtypes(g) if v]
             notes += ["recomputed in backward"] if g.recompute else []
             extra = f"  ({', '.join(notes)})" if notes else ""
@@ -222,7 +227,7 @@ def plan(
     *,
     prefetch: int = 1,
     backward_prefetch: int = 1,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int = True,
     order: Sequence[str] | None = None,
     backward_order: Sequence[str] | None = None,
     example_args: Any = None,
@@ -244,7 +249,9 @@ def plan(
         backward_prefetch: the same for the re-gathers in backward.
         reshard_after_forward: free each group's unsharded parameters after its last forward use
             and gather them again for backward (the root group excepted, see [Note: the root
-            group]); ``False`` keeps them until the group's backward ends.
+            group]); ``False`` keeps them until the group's backward ends; an int ``N`` keeps a
+            ``1/N`` slice, gathered again in backward within sub-groups of ``N`` ranks (see
+            :class:`Group`).
         order: the forward order of group names (repeats allowed). Default: recorded from
             ``example_args`` if given, else the depth-first module order (a group containing
             other groups runs again after them).
@@ -285,7 +292,8 @@ def plan(
     for name, params in group(module, policy, ignored).items():
         if params:
             dtypes = (torch.float32,) * 2 if name in full_precision else (param_dtype, reduce_dtype)
-            groups.append(Group(name, tuple(params), reshard_after_forward and name != "", *dtypes))
+            reshard = reshard_after_forward if name != "" else False
+            groups.append(Group(name, tuple(params), reshard, *dtypes))
     if full_precision:
         names = [n for n in full_precision if any(g.name == n for g in groups)]
         warnings.warn(
@@ -462,13 +470,48 @@ def _plan_steps(order, prefetch, resident, compute, after_last) -> list[Step]:
         if i == last[g]:
             for op in after_last(g):
                 steps.append(Step(op, g))
-            if "free" in after_last(g):
+            if any(op in _RELEASES for op in after_last(g)):
                 resident.remove(g)
     return steps
 
 
+_RELEASES = ("free", "reshard")  # forward steps after which a group is no longer unsharded
+
+
+def after_forward(value: bool | int) -> tuple[str, ...]:
+    """The plan steps after a group's last forward run, for its ``reshard_after_forward``:
+    ``("free",)``, ``("reshard",)`` (an int ``N >= 2``) or ``()`` (kept unsharded)."""
+    if value is True:
+        return ("free",)
+    if value is False or value == 1:
+        return ()
+    return ("reshard",)
+
+
+def post_forward_ranks(value: bool | int) -> int | None:
+    """``N`` for ``reshard_after_forward=N >= 2`` (a group resharded to a smaller mesh), else
+    ``None``."""
+    return value if after_forward(value) == ("reshard",) else None  # type: ignore[return-value]
+
+
+def _after_forward_note(value: bool | int) -> str:
+    if value is True:
+        return ""
+    if not after_forward(value):
+        return "kept unsharded after forward"
+    return f"resharded to {value} ranks after forward"
+
+
 def _validate(p: Plan) -> None:
     names = [g.name for g in p.groups]
+    for g in p.groups:
+        v = g.reshard_after_forward
+        if not (isinstance(v, bool) or (isinstance(v, int) and v >= 1)):
+            raise ValueError(
+                f"Plan: group {g.name or '<root>'!r} has reshard_after_forward={v!r}; pass True "
+                "(free after forward), False (keep unsharded) or an int N >= 1 (keep a 1/N "
+                "slice, gathered again within N ranks), e.g. the number of ranks per node."
+            )
     if len(set(names)) != len(names):
         raise ValueError(f"Plan: duplicate group names in {names}.")
     if any(g.recompute for g in p.groups if g.name == ""):

@@ -7,8 +7,10 @@ since the previous one -- and not all of them are its own to run, depending on t
 mode (see [Note: the execution mode is data]) and on which groups are frozen:
 
 * ``all_gather`` and ``wait``: the executor's, always.
-* ``free`` in forward: the executor's where groups can be freed (plain autograd, or a trace);
-  elsewhere (inside ``torch.func``) nothing is freed and the step is dropped.
+* ``free`` and ``reshard`` in forward: the executor's where groups can be freed (plain
+  autograd, or a trace); elsewhere (inside ``torch.func``) nothing is freed and the step is
+  dropped. ``reshard`` keeps a slice (see [Note: reshard to a smaller mesh] in
+  ``_post_forward``).
 * ``free`` in backward: a frozen group has no gradients to wait for, so the executor frees it
   when the plan moves on; any other group is freed by its post-backward callback, when
   autograd has its gradients (the step marks where that happens), and under a trace by the
@@ -81,7 +83,7 @@ def _phase(steps: tuple[Step, ...], compute: str, mode: Mode, frozen: frozenset[
 
 def _runs(step: Step, compute: str, mode: Mode, frozen: frozenset[str]) -> bool:
     """Whether the executor runs ``step`` (see [Note: the plan lowered])."""
-    if step.op == "free":
+    if step.op in ("free", "reshard"):
         return mode.frees and (compute == "forward" or step.group in frozen)
     return step.op in ("all_gather", "wait")
 

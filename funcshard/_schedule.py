@@ -95,7 +95,7 @@ from ._consensus import cached_digest, failing, leaf
 from ._deferred import Deferred
 from ._extract import Walk, aliases, call, check_not_wrapped, slots
 from ._mode import Mode
-from ._plan import Plan, Step
+from ._plan import Plan, Step, after_forward, post_forward_ranks
 from ._profiling import span
 from ._spec import LocalShard, as_locals, check_materialized
 
@@ -316,7 +316,8 @@ def _static(plan: Plan, names, locals_, specs, opts: _flat.Options, mode: Mode, 
             opts.grad_reduce,
         )
         dtypes = [t.dtype for t in locals_[at : at + n]]
-        lowered = _flat.lower(dtypes, layouts[at : at + n], options, mode)
+        post = post_forward_ranks(g.reshard_after_forward)
+        lowered = _flat.lower(dtypes, layouts[at : at + n], options, mode, post)
         groups[g.name] = _GroupStatic(layouts[at : at + n], tuple(specs[at : at + n]), lowered)
         at += n
     frozen = frozenset(g.name for g in plan.groups if not any(names_grad[p] for p in g.params))
@@ -401,6 +402,8 @@ class _Group:
         self.raw: list[torch.Tensor] | None = None  # gathered tensors (storage owners)
         self.fulls: list[torch.Tensor] | None = None  # what the module computes with
         self.storages: list[tuple[torch.UntypedStorage, int]] = []
+        # per bucket, the slice kept after forward (see [Note: reshard to a smaller mesh])
+        self.kept: list[torch.Tensor | None] | None = None
         self.frozen = not any(t.requires_grad for t in locals_)
 
     def _move(self, to: State) -> None:
@@ -431,8 +434,11 @@ class _Group:
             self.inflight = _flat.issue(self.locals, self.lowered, self.armed, self.counts)
             self.armed = None
         else:  # a re-gather only refills storage: not part of the graph
+            kept, self.kept = self.kept, None  # within the sub-groups, from the kept slices
             with torch.no_grad():
-                self.inflight = _flat.issue(self.locals, self.lowered, counts=self.counts)
+                self.inflight = _flat.issue(
+                    self.locals, self.lowered, counts=self.counts, kept=kept
+                )
         self._move(State.IN_FLIGHT)
 
     def wait(self, notify: Callable | None) -> None:
@@ -478,14 +484,21 @@ class _Group:
         them), plain autograd's when they have storage of their own."""
         return self.mode is Mode.TRACED or bool(self.storages)
 
-    def free(self) -> None:
+    def free(self, keep: bool = False) -> None:
+        """Release the full tensors' storage; ``keep``: after forward, keep the slices of
+        ``reshard_after_forward=N`` first (see [Note: reshard to a smaller mesh])."""
+        self.kept = None
         if self.pending:  # a prefetch that was never needed
             with torch.no_grad():
                 _flat.finish(self.inflight)
             self.inflight = None
             self._move(State.SHARDED if self.raw is None else State.FREED)
         if self.resident and self.freeable:
-            with span("free", self.name):
+            with span("reshard" if keep else "free", self.name):
+                # nothing to keep for a forward without backward (no_grad)
+                if keep and self.lowered.keeps and torch.is_grad_enabled():
+                    with torch.no_grad():
+                        self.kept = _flat.keep(self.raw, self.lowered)
                 for s, _ in self.storages:
                     s.resize_(0)
             self._move(State.FREED)
@@ -532,7 +545,7 @@ class _Run:
         self.owner: dict[int, str] = {}  # storage data_ptr -> group, while unsharded
         self.range = None
         self.holding: set[str] = set()  # groups the operation being resolved uses
-        self.held_frees: list[_Group] = []
+        self.held_frees: list[tuple[_Group, bool]] = []  # (group, keep a slice)
         # checkpoint regions: see [Note: activation checkpointing inside a funcshard call]
         self.rebind: tuple[nn.Module, dict[str, Any]] | None = None
         self.recomputing = 0
@@ -571,8 +584,8 @@ class _Run:
         """The operation ran: do the frees held back while it needed its groups."""
         self.holding = set()
         held, self.held_frees = self.held_frees, []
-        for state in held:
-            self._free(state)
+        for state, keep in held:
+            self._free(state, keep)
 
     # ---- checkpoint regions (see [Note: activation checkpointing inside a funcshard call]) --
     def bind_regions(self, module: nn.Module, named: dict[str, Any]) -> None:
@@ -619,11 +632,12 @@ class _Run:
             state.issue()
         elif step.op == "wait":
             self._make_resident(state)
-        elif step.op == "free":
+        elif step.op in ("free", "reshard"):  # reshard: see [Note: reshard to a smaller mesh]
+            keep = step.op == "reshard"
             if state.name in self.holding:  # needed by the operation being resolved
-                self.held_frees.append(state)
+                self.held_frees.append((state, keep))
             else:
-                self._free(state)
+                self._free(state, keep)
 
     def _ensure(self, group: str) -> None:
         """Make ``group`` usable; warn if that takes a gather the plan did not schedule."""
@@ -655,10 +669,10 @@ class _Run:
         for p in state.pointers():
             self.owner[p] = state.name
 
-    def _free(self, state: _Group) -> None:
+    def _free(self, state: _Group, keep: bool = False) -> None:
         for p in state.pointers():
             self.owner.pop(p, None)
-        state.free()
+        state.free(keep)
 
     def _post_backward(self, state: _Group) -> Callable:
         # see [Note: per-call state is not reachable from the graph]
@@ -679,13 +693,13 @@ class _Run:
             state = self.groups[step.group]
             if step.op == "wait" and state.pending:
                 state.free()  # a prefetch the module never needed
-            elif step.op == "free":
-                self._free(state)
+            elif step.op in ("free", "reshard"):
+                self._free(state, step.op == "reshard")
         if self.frees:  # groups gathered on demand are freed like planned ones
-            reshard = {g.name: g.reshard_after_forward for g in self.plan.groups}
+            after = {g.name: after_forward(g.reshard_after_forward) for g in self.plan.groups}
             for name, state in self.groups.items():
-                if reshard[name] and (state.resident or state.pending):
-                    self._free(state)
+                if after[name] and (state.resident or state.pending):
+                    self._free(state, after[name] == ("reshard",))
 
     # ---- backward ------------------------------------------------------------------------
     @property
