@@ -636,7 +636,7 @@ class _Ledger(TorchDispatchMode):
         phase, _, step = self._current()
         if kind == "reduce_scatter" or kind == "all_reduce":
             return "gradients"
-        if kind == "all_gather" or step.op in ("all_gather", "wait"):
+        if kind == "all_gather" or step.op in ("all_gather", "wait", "reshard"):
             return "gathered parameters"
         if phase == "forward" and step.op == "forward":
             return "activations"
@@ -851,7 +851,7 @@ def _collectives(issued: list[_Issued], mesh) -> tuple[Collective, ...]:
     for c in issued:
         world = dist.get_world_size(c.pg) if c.pg is not None else 1
         name = c.pg.group_name if c.pg is not None else ""
-        dim = dims.get(name, f"group of {world} ranks")
+        dim = dims.get(name, f"sub-group ({world} ranks)")
         full = c.out_bytes if c.kind == "all_gather" else c.in_bytes
         wire = full * (world - 1) // world * (2 if c.kind == "all_reduce" else 1)
         key = (c.kind, c.group, dim, c.phase, c.in_bytes, c.out_bytes, wire)

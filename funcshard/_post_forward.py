@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from . import _collectives as C
+from ._compile import untraced
 
 # (default group, mesh ranks, mesh shape, mesh dim, N) -> this rank's sub-group and its index
 _SUBGROUPS: dict[tuple, tuple[dist.ProcessGroup, int]] = {}
@@ -93,12 +94,14 @@ def post(comm: C.Comm, mesh, mesh_dim: int, n: int) -> Post | None:
 def subgroup(mesh, mesh_dim: int, n: int) -> tuple[dist.ProcessGroup, int]:
     """This rank's sub-group of ``n`` contiguous ranks of its group along ``mesh_dim``, and its
     index there; every rank creates all sub-groups of the dim, in the same order."""
-    ranks = mesh.mesh
-    key = (dist.group.WORLD, tuple(ranks.flatten().tolist()), tuple(ranks.shape), mesh_dim, n)
+    with untraced():  # the mesh's rank tensor is host data, also under fs.explain's fake mode
+        ranks = mesh.mesh
+        flat, shape = tuple(ranks.flatten().tolist()), tuple(ranks.shape)
+        rows = ranks.movedim(mesh_dim, -1).reshape(-1, ranks.shape[mesh_dim]).tolist()
+    key = (dist.group.WORLD, flat, shape, mesh_dim, n)
     found = _SUBGROUPS.get(key)
     if found is None:
         me = dist.get_rank()
-        rows = ranks.movedim(mesh_dim, -1).reshape(-1, ranks.shape[mesh_dim]).tolist()
         for row in rows:
             row = sorted(row)  # a dim's group orders its ranks so (new_group sorts them)
             for start in range(0, len(row), n):

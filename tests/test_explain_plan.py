@@ -200,3 +200,30 @@ def test_main_job_explains_and_exits(world2):
             t.numel() * t.element_size() for t in shards
         )
         assert {c.kind for c in e.collectives} >= {"all_gather", "reduce_scatter"}
+
+
+def test_reshard_to_a_smaller_mesh_is_priced():
+    """``reshard_after_forward=2`` on 8 ranks: backward re-gathers within sub-groups of 2
+    ranks (each rank sends half the group), and between forward and backward each rank keeps
+    half of each block's full parameters instead of none."""
+    full, _, _ = _explained(8)
+    half, _, plan = _explained(8, reshard_after_forward=2)
+    blocks = [g for g in plan.groups if g.name]
+    assert all(g.reshard_after_forward == 2 for g in blocks)
+    by = {(c.kind, c.group, c.phase): c for c in half.collectives}
+    for g in blocks:
+        forward, backward = (
+            by[("all_gather", g.name, "forward")],
+            by[("all_gather", g.name, "backward")],
+        )
+        assert forward.mesh_dim.endswith("(8 ranks)") and backward.mesh_dim.endswith("(2 ranks)")
+        assert (
+            backward.out_bytes == forward.out_bytes and backward.in_bytes == forward.out_bytes // 2
+        )
+        assert backward.wire_bytes == forward.out_bytes // 2
+    kept = next(m for m in half.timeline if m.phase == "backward")
+    freed = next(m for m in full.timeline if m.phase == "backward")
+    slices = sum(by[("all_gather", g.name, "forward")].out_bytes // 2 for g in blocks)
+    assert (
+        kept.by_category["gathered parameters"] - freed.by_category["gathered parameters"] >= slices
+    )

@@ -115,9 +115,7 @@ def _inner(state):
 def test_recipe_matches_torch_muon_and_adamw(world2, world4, clip, schedule):
     for world in (world2, world4):
         for errs, muon_leaves in world.run(against_torch, clip, schedule):
-            assert muon_leaves == [
-                f"blocks.{i}.{m}.weight" for i in (0, 1) for m in ("down", "up")
-            ]
+            assert muon_leaves == [f"blocks.{i}.{m}.weight" for i in (0, 1) for m in ("down", "up")]
             # the same kernels on the same numbers: bit for bit; with clipping, the global norm
             # adds its partial sums in another order than clip_grad_norm_ (last bit of the
             # scale), which Newton-Schulz's bfloat16 rounding may carry to a few 1e-5
