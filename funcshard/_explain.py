@@ -921,16 +921,21 @@ def _table(e: Explanation) -> str:
     lines += _columns([header, *rows])
     lines.append("collectives per step:")
     crow = [
-        (c.kind, c.group or "<root>", c.mesh_dim, c.phase, str(c.count), _size(c.out_bytes))
+        (c.kind, c.group or "<root>", c.mesh_dim, c.phase, str(c.count), _size(_full(c)))
         for c in e.collectives
     ]
-    lines += _columns([("kind", "group", "mesh dim", "phase", "count", "bytes out"), *crow])
+    lines += _columns([("kind", "group", "mesh dim", "phase", "count", "full bytes"), *crow])
     lines.append(
         f"time ({e.hardware.name}): compute {e.compute_s * 1e3:.3f} ms, communication "
         f"{e.communication_s * 1e3:.3f} ms, exposed {e.exposed_communication_s * 1e3:.3f} ms; "
         f"predicted step {e.predicted_step_s * 1e3:.3f} ms"
     )
     return "\n".join(lines)
+
+
+def _full(c: Collective) -> int:
+    """The full size of a collective: an all-gather's output, a reduction's input."""
+    return c.out_bytes if c.kind == "all_gather" else c.in_bytes
 
 
 def _columns(rows) -> list[str]:
