@@ -227,3 +227,32 @@ def test_reshard_to_a_smaller_mesh_is_priced():
     assert (
         kept.by_category["gathered parameters"] - freed.by_category["gathered parameters"] >= slices
     )
+
+
+def _explain_hsdp(_: int) -> list[tuple]:
+    from torch.distributed.tensor import Replicate, Shard
+
+    from _mesh import mesh
+
+    m = mesh(2, 2)  # (replicate, shard)
+    model = Net()
+    params, _ = fs.extract(model)
+    sharded = fs.shard(params, m, placements=(Replicate(), Shard(0)))
+    apply = fs.schedule(model, fs.plan(model, fs.policy.by_type(Block)))
+    e = fs.explain(apply, sharded, torch.randn(ROWS, WIDTH), hardware=HW)
+    full = {g.name: g.reduce_bytes for g in e.groups}
+    return [
+        (c.kind, c.group, c.mesh_dim, c.phase, c.in_bytes, full[c.group]) for c in e.collectives
+    ]
+
+
+def test_hsdp_reduces_the_shard_over_the_replicas(world4):
+    """HSDP: gathers and reduce-scatters over the shard dim, then an all-reduce of the reduced
+    shard (half the full gradient, padded) over the replicate dim, in backward only."""
+    rows = world4.run(_explain_hsdp, 0)[0]
+    reduces = [r for r in rows if r[0] == "all_reduce"]
+    assert {r[1] for r in reduces} == {g for _, g, *_ in rows}
+    for kind, _, dim, phase, in_bytes, full in rows:
+        assert dim == ("replicate (2 ranks)" if kind == "all_reduce" else "shard (2 ranks)")
+        if kind == "all_reduce":
+            assert phase == "backward" and full // 2 <= in_bytes <= full // 2 + 64
