@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from . import comms, harness, memory, overhead, recompute, step_time, timeline
+from . import comms, explain_accuracy, harness, memory, overhead, recompute, step_time, timeline
 from . import compile as compiled
 
 PARTS = {
@@ -28,6 +28,7 @@ PARTS = {
     "timeline": timeline.run,
     "compile": compiled.run,
     "recompute": recompute.run,
+    "explain": explain_accuracy.run,
 }
 
 

@@ -26,10 +26,10 @@ from pathlib import Path
 
 from . import harness
 
-RANK_PARTS = ("step", "memory", "comms", "overhead", "timeline", "compile", "recompute")
+RANK_PARTS = ("step", "memory", "comms", "overhead", "timeline", "compile", "recompute", "explain")
 LOCAL_PARTS = ("scale", "overhead")
 OWN_PROCESS = ("gpu",)  # python -m benchmarks.<part>: its own one-rank process group
-EVERY_WORLD = ("step", "comms")  # the others run on the smallest world size only
+EVERY_WORLD = ("step", "comms", "explain")  # the others run on the smallest world size only
 
 
 def launches(parts: list[str], ranks: list[int]) -> list[tuple[int, list[str]]]:
