@@ -209,7 +209,10 @@ def setup(case: Case, mesh) -> Setup:
     model.to("meta")
     apply = fs.schedule(model, plan, param_dtype=case.param_dtype)
     opt = fs.optim.adamw(1e-3, weight_decay=0.1)
-    batch = case.batch(dist.get_rank())
+    batch = tuple(  # float inputs in the compute dtype (the model's first matmul takes them)
+        t.to(case.param_dtype) if case.param_dtype and t.is_floating_point() else t
+        for t in case.batch(dist.get_rank())
+    )
     return Setup(apply, sharded, dict(buffers), batch, opt, opt.init(sharded), case.loss)
 
 
