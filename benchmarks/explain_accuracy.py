@@ -356,3 +356,40 @@ def _line(row: dict[str, Any]) -> str:
         f"{1e3 * row['measured_step_s']:.1f} ms predicted {1e3 * row['predicted_step_s']:.1f} ms "
         f"({100 * row['step_error']:+.0f}%)"
     )
+
+
+# ---- the generated block of BENCHMARKS.md --------------------------------------------------
+def section(results: dict[str, Any]) -> str:
+    """The generated block of BENCHMARKS.md (``<!-- bench:explain -->``): one table per world
+    size."""
+    from .tables import MiB, mark, measured, table
+
+    out = []
+    for key in sorted(k for k in results if k.startswith("explain-")):
+        r = results[key]
+        rows = [
+            [
+                v["configuration"],
+                f"{max(v['measured_peak']) / MiB:.2f}",
+                f"{max(v['predicted_peak']) / MiB:.2f}",
+                f"**{100 * v['worst_peak_error']:+.1f}%**",
+                mark(v["collectives_equal"]),
+                str(sum(c[-1] for c in v["collectives"])),
+                f"{1e3 * v['measured_step_s']:.0f}",
+                f"{1e3 * v['predicted_step_s']:.0f}",
+                f"{100 * v['step_error']:+.0f}%",
+            ]
+            for v in r["result"]["rows"]
+        ]
+        errors = [abs(v["worst_peak_error"]) for v in r["result"]["rows"]]
+        steps = sorted(abs(v["step_error"]) for v in r["result"]["rows"])
+        out.append(
+            f"**{r['world']} ranks**: peak error at most {100 * max(errors):.1f}% "
+            f"(median {100 * statistics.median(errors):.1f}%); step-time error median "
+            f"{100 * statistics.median(steps):.0f}%, at most {100 * max(steps):.0f}%."
+        )
+        header = ["configuration", "peak MiB", "predicted", "error", "collectives equal"]
+        header += ["collectives", "step ms", "predicted", "error"]
+        out.append(table(header, rows))
+        out.append(measured(r))
+    return "\n\n".join(out) + ("\n" if out else "")

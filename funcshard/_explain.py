@@ -790,10 +790,11 @@ def _copies_input(pg, src: list[torch.Tensor]) -> bool:
       Not counted: it lives only while the transfer is in flight, and how long that is
       depends on the other ranks' progress and on how the host schedules gloo's threads.
       Held from the issue to the end of the transfer on the communication lane, it made a
-      peak at every prefetch's issue that the real steps do not have (+7% on a 4-block MLP
-      whose measured peak is matched without it). Left out, the prediction is low by up to
-      one group's gathered bytes when a gather is still in flight at the real peak (-4% on a
-      2-block Llama: ``benchmarks/explain_accuracy.py``).
+      peak at every prefetch's issue that the real steps do not have (+3% to +9% over the
+      models measured; +7% on a 4-block MLP whose measured peak is matched without it). Left
+      out, the prediction is low by up to one group's gathered bytes when a gather is still
+      in flight at the real peak (a 2-block Llama on gloo: -4% on 2 ranks, -7% on 4;
+      ``benchmarks/explain_accuracy.py``).
     """
     from ._collectives import copies_reduce_scatter_input
 

@@ -82,3 +82,24 @@ def test_explain_counters_known_are_the_first_step():
     with mode:
         assert float(known["count"]) == 0.0  # the first step's count
     assert known["moment"] is state["moment"]  # tensors with dimensions stay as they are
+
+
+def test_explain_accuracy_section_has_a_row_per_configuration():
+    from benchmarks import explain_accuracy as ea
+
+    row = {
+        "configuration": "mlp, fp32",
+        "measured_peak": [100 * 2**20, 101 * 2**20],
+        "predicted_peak": [95 * 2**20, 100 * 2**20],
+        "worst_peak_error": -0.05,
+        "collectives_equal": False,
+        "collectives": [["all_gather", 4, 8, 3], ["reduce_scatter", 8, 4, 2]],
+        "measured_step_s": 0.1,
+        "predicted_step_s": 0.15,
+        "step_error": 0.5,
+    }
+    machine = {"cpu": "cpu", "cores": 2, "load_average": [1.0], "torch": "2", "date": "2026-11-28"}
+    result = {"world": 2, "machine": machine, "load_average_after": [1.0]}
+    text = ea.section({"explain-2ranks": result | {"result": {"rows": [row]}}})
+    assert "| mlp, fp32 | 101.00 | 100.00 | **-5.0%** | **no** | 5 | 100 | 150 | +50% |" in text
+    assert "peak error at most 5.0%" in text and "2 ranks" in text
