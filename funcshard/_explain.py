@@ -122,9 +122,11 @@ class Moment:
 class Hardware:
     """The rates the time prediction uses (see [Note: time from counts]).
 
-    ``flops_per_s``: by compute dtype (a missing dtype takes ``float32``'s); ``memory_bytes_per_s``:
-    memory bandwidth of elementwise work; ``op_overhead_s``: host time per operator;
-    ``link_bytes_per_s`` / ``latency_s``: of one collective, per rank."""
+    ``flops_per_s``: by compute dtype (a missing dtype takes ``float32``'s);
+    ``memory_bytes_per_s``: memory bandwidth of elementwise work; ``op_overhead_s``: host time
+    per operator; ``link_bytes_per_s`` / ``latency_s``: of one collective, per rank;
+    ``cache_bytes`` / ``cache_bytes_per_s``: an operator that touches at most ``cache_bytes``
+    moves them at this rate instead (``0``: no cache tier)."""
 
     flops_per_s: Mapping[torch.dtype, float]
     memory_bytes_per_s: float
@@ -132,9 +134,18 @@ class Hardware:
     link_bytes_per_s: float
     latency_s: float
     name: str = "given"
+    cache_bytes: int = 0
+    cache_bytes_per_s: float = 0.0
 
     def flops(self, dtype: torch.dtype) -> float:
         return self.flops_per_s.get(dtype, self.flops_per_s[torch.float32])
+
+    def operator_s(self, flops: float, moved: int, dtype: torch.dtype) -> float:
+        """The predicted time of one operator: its FLOPs or its bytes, whichever bounds it,
+        plus the host's cost of an operator."""
+        cached = self.cache_bytes_per_s and moved <= self.cache_bytes
+        bandwidth = self.cache_bytes_per_s if cached else self.memory_bytes_per_s
+        return self.op_overhead_s + max(flops / self.flops(dtype), moved / bandwidth)
 
     @staticmethod
     def h100() -> Hardware:
@@ -151,15 +162,17 @@ class Hardware:
 
     @staticmethod
     def measure(group: dist.ProcessGroup | None = None, *, device: str = "cpu") -> Hardware:
-        """Rates measured here in about a second: a matmul per dtype, a large add, a small
-        op, and -- with ``group`` (collective: every rank of it calls this) -- an all-gather
-        of 16 MiB and of 4 bytes on it. Without a group the link takes the memory
+        """Rates measured here in about a second: a matmul per dtype, an add of 64 MiB
+        tensors (memory) and of 256 KiB ones (the cache tier, for operators of up to 4 MiB),
+        a small op, and -- with ``group`` (collective: every rank of it calls this) -- an
+        all-gather of 16 MiB and of 4 bytes on it. Without a group the link takes the memory
         bandwidth (ranks on one host)."""
         flops = {dt: _rate(_matmul(dt, device)) for dt in (torch.float32, torch.bfloat16)}
         x = torch.empty(1 << 24, device=device)  # 64 MiB
         memory = 3 * x.nbytes / _seconds(lambda: torch.add(x, x))
-        small = torch.empty(8, device=device)
-        overhead = _seconds(lambda: torch.add(small, small), repeat=200)
+        y = torch.empty(1 << 16, device=device)  # 256 KiB
+        cached = 3 * y.nbytes / _seconds(lambda: torch.add(y, y), repeat=50)
+        overhead = _host_s(device)
         link, latency = memory, 0.0
         if group is not None and dist.get_world_size(group) > 1:
             world = dist.get_world_size(group)
@@ -169,7 +182,9 @@ class Hardware:
             latency = _seconds(lambda: dist.all_gather_into_tensor(tiny_out, tiny, group=group))
             spent = _seconds(lambda: dist.all_gather_into_tensor(out, big, group=group))
             link = out.nbytes * (world - 1) / world / max(spent - latency, 1e-9)
-        return Hardware(flops, memory, overhead, link, latency, name=f"measured ({device})")
+        return Hardware(
+            flops, memory, overhead, link, latency, f"measured ({device})", 4 << 20, cached
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -663,9 +678,7 @@ class _Ledger(TorchDispatchMode):
         )
         moved = 0 if view else sum(t.numel() * t.element_size() for t in tensors)
         dtype = next((t.dtype for t in tensors if t.is_floating_point()), torch.float32)
-        cost = self.hw.op_overhead_s
-        if not view:
-            cost += max(flops / self.hw.flops(dtype), moved / self.hw.memory_bytes_per_s)
+        cost = self.hw.op_overhead_s if view else self.hw.operator_s(flops, moved, dtype)
         self.compute_clock += cost
         self.compute_total += cost
         if flops:
@@ -884,6 +897,31 @@ def _matmul(dtype: torch.dtype, device: str) -> tuple[Callable[[], Any], float]:
     n = 512 if device == "cpu" else 4096
     a = torch.randn(n, n, device=device).to(dtype)
     return (lambda: a @ a), 2 * n**3
+
+
+def _host_s(device: str) -> float:
+    """Host time per operator of a tiny eager training step (modules, autograd, dispatch:
+    what a model's operator costs beyond its arithmetic): its time over its operators."""
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    net = net.to(device)
+    x = torch.randn(4, 8, device=device)
+
+    def step():
+        net(x).sum().backward()
+
+    with _Counting() as counted:
+        step()
+    return _seconds(step, repeat=20) / max(counted.operators, 1)
+
+
+class _Counting(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.operators = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.operators += 1
+        return func(*args, **(kwargs or {}))
 
 
 def _rate(work: tuple[Callable[[], Any], float]) -> float:
