@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import gpu, harness, recompute, scale
+from . import explain_scale, gpu, harness, recompute, scale
 from .tables import mark, measured, ratio, table, time_and_peak
 from .timeline import LANES
 
@@ -25,14 +25,6 @@ MiB = 2**20
 
 def _load(folder: Path) -> dict[str, Any]:
     return {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
-
-
-
-
-
-
-
-
 
 
 def step_section(results: dict[str, Any]) -> str:
@@ -374,8 +366,6 @@ def plot_scale(res: dict[str, Any], folder: Path) -> None:
     plt.close(fig)
 
 
-
-
 def _start_up(res: dict[str, Any]) -> str:
     if "compiler_start_up_s" not in res:  # results from before it was measured
         return ""
@@ -539,6 +529,7 @@ def sections(results: dict[str, Any], folder: Path, images: str) -> dict[str, st
         "overhead": overhead_section(results),
         "merged-plans": merged_plans_section(results),
         "scale": scale_section(results, folder, images),
+        "explain": explain_scale.section(results),
         "timeline": timeline_section(results, folder, images),
         "compile": compile_section(results),
         "recompute": recompute.section(results),
