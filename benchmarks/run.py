@@ -8,8 +8,8 @@ Parts that need ranks run under ``torchrun`` (one launch per world size, all its
 it); ``scale``, ``explain`` (``fs.explain`` of Llama steps over fake worlds,
 ``explain_scale.py``) and the fake-process-group half of ``overhead`` run in this process.
 Results go to ``benchmarks/results/*.json`` (``--quick``: ``benchmarks/results/quick/``); the
-report then regenerates the tables and plots of ``BENCHMARKS.md`` from them (``--quick`` writes its own
-``BENCHMARKS.md`` into its results folder and leaves the repository's alone).
+report then regenerates the tables and plots of ``BENCHMARKS.md`` from them (``--quick``
+writes its own ``BENCHMARKS.md`` into its results folder and leaves the repository's alone).
 
 ``--device cuda`` runs the same parts with NCCL, one rank per GPU (``--ranks`` at most the
 GPU count). Part ``gpu`` (the training step on one GPU, ``gpu.py``) runs only when ``--only``
