@@ -257,13 +257,13 @@ def main(argv: Sequence[str] | None = None, usage: str = "") -> int:
             model = model_from_factory(args.model)
         else:
             model = model_from_hf(hf_config(args.hf_config, parse_overrides(args.hf_override)))
+        if args.policy:
+            group_policy, described = named_policy(model, args.policy.split(",")), args.policy
+        else:
+            group_policy, names = default_policy(model)
+            described = ", ".join(names) or "(the root only)"
     except ValueError as e:
         ap.error(str(e))
-    if args.policy:
-        group_policy, described = named_policy(model, args.policy.split(",")), args.policy
-    else:
-        group_policy, names = default_policy(model)
-        described = ", ".join(names) or "(the root only)"
     print(f"groups: {described}; world {' x '.join(map(str, shape))} (fake)")
     hardware = _explain.Hardware.h100() if args.hardware == "h100" else _explain.Hardware.measure()
     from ._fake_world import fake_world
