@@ -75,7 +75,7 @@ def row(
         "operators": first.operators,
         "peak_gib": first.peak_bytes / 2**30,
         "at_peak": {k: v / 2**30 for k, v in first.at_peak.items() if v},
-        "peak_at": f"{first.peak_at.phase} {first.peak_at.step.op} {first.peak_at.step.group}",
+        "peak_at": f"{first.peak_at.step.op} {first.peak_at.step.group}",
         "predicted_step_s": first.predicted_step_s,
         "largest_batch": best,
         "search_explains": len(runs),
