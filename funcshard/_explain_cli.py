@@ -32,12 +32,19 @@ def model_from_factory(spec: str) -> nn.Module:
     """``"package.module:function"`` called with no arguments under ``torch.device("meta")``.
 
     Raises:
-        ValueError: ``spec`` is not ``module:function``, or the function returns no module.
+        ValueError: ``spec`` is not ``module:function`` (or does not import), or the function
+            returns no module.
     """
     module_name, _, fn_name = spec.partition(":")
     if not module_name or not fn_name:
         raise ValueError(f"--model {spec!r}: expected module:function, e.g. mypkg.models:llama")
-    factory = getattr(importlib.import_module(module_name), fn_name)
+    try:
+        factory = getattr(importlib.import_module(module_name), fn_name)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(
+            f"--model {spec!r}: expected module:function, e.g. mypkg.models:llama, importable "
+            f"from PYTHONPATH ({err})"
+        ) from err
     with torch.device("meta"):
         model = factory()
     if not isinstance(model, nn.Module):

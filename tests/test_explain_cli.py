@@ -111,6 +111,31 @@ def test_cli_hf_config():
     assert "model.layers.1" in text and "optimizer state" not in text
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--model", "test_explain_cli:nope"), "has no attribute 'nope'"),
+        (("--model", "tiny_lm"), "expected module:function"),
+        (("--model", "test_explain_cli:tiny_lm", "--world", "3y"), "expected N or RxS"),
+        (("--model", "test_explain_cli:tiny_lm", "--policy", "Foo"), "classes: ['Block'"),
+        (("--model", "test_explain_cli:tiny_lm", "--budget", "lots"), "80GiB"),
+        (("--hf-config", '{"hidden_size": 8}'), "needs a model_type"),
+    ],
+)
+def test_cli_usage_errors(argv, message, capsys):
+    """Bad arguments end as usage errors (exit status 2) that name the argument and the fix."""
+    old = sys.argv
+    sys.argv = ["funcshard.explain", *argv]
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            runpy.run_module("funcshard.explain", run_name="__main__")
+    finally:
+        sys.argv = old
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not dist.is_initialized()
+
+
 def test_largest_batch_linear():
     """peak = 1000 + 300 b, budget 10000: b <= 9000 / 300 = 30, found in four explains
     (batches 1 and 2 give the line, 30 and 31 confirm it)."""
