@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import explain_accuracy, gpu, harness, recompute, scale
+from . import explain_accuracy, explain_scale, gpu, harness, recompute, scale
 from .tables import mark, measured, ratio, table, time_and_peak
 from .timeline import LANES
 
@@ -529,6 +529,7 @@ def sections(results: dict[str, Any], folder: Path, images: str) -> dict[str, st
         "overhead": overhead_section(results),
         "merged-plans": merged_plans_section(results),
         "scale": scale_section(results, folder, images),
+        "explain_scale": explain_scale.section(results),
         "timeline": timeline_section(results, folder, images),
         "compile": compile_section(results),
         "recompute": recompute.section(results),

@@ -1,14 +1,16 @@
 """The benchmark suite's driver: ``make bench`` (= ``python -m benchmarks.run``).
 
     python -m benchmarks.run [--quick]
-        [--only step,memory,comms,overhead,timeline,compile,recompute,scale,gpu]
+        [--only step,memory,comms,overhead,timeline,compile,recompute,explain,scale,
+               explain_scale,gpu]
                              [--device cpu|cuda] [--ranks 2,4] [--out DIR] [--no-report]
 
 Parts that need ranks run under ``torchrun`` (one launch per world size, all its parts in
-it); ``scale`` and the fake-process-group half of ``overhead`` run in this process. Results go
-to ``benchmarks/results/*.json`` (``--quick``: ``benchmarks/results/quick/``); the report then
-regenerates the tables and plots of ``BENCHMARKS.md`` from them (``--quick`` writes its own
-``BENCHMARKS.md`` into its results folder and leaves the repository's alone).
+it); ``scale``, ``explain_scale`` (``fs.explain`` of Llama steps over fake worlds,
+``explain_scale.py``) and the fake-process-group half of ``overhead`` run in this process.
+Results go to ``benchmarks/results/*.json`` (``--quick``: ``benchmarks/results/quick/``); the
+report then regenerates the tables and plots of ``BENCHMARKS.md`` from them (``--quick``
+writes its own ``BENCHMARKS.md`` into its results folder and leaves the repository's alone).
 
 ``--device cuda`` runs the same parts with NCCL, one rank per GPU (``--ranks`` at most the
 GPU count). Part ``gpu`` (the training step on one GPU, ``gpu.py``) runs only when ``--only``
@@ -27,7 +29,7 @@ from pathlib import Path
 from . import harness
 
 RANK_PARTS = ("step", "memory", "comms", "overhead", "timeline", "compile", "recompute", "explain")
-LOCAL_PARTS = ("scale", "overhead")
+LOCAL_PARTS = ("scale", "explain_scale", "overhead")
 OWN_PROCESS = ("gpu",)  # python -m benchmarks.<part>: its own one-rank process group
 EVERY_WORLD = ("step", "comms", "explain")  # the others run on the smallest world size only
 
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-report", action="store_true", help="skip tables and plots")
     args = ap.parse_args(argv)
 
-    parts = args.only.split(",") if args.only else [*RANK_PARTS, "scale"]
+    parts = args.only.split(",") if args.only else [*RANK_PARTS, "scale", "explain_scale"]
     known = {*RANK_PARTS, *LOCAL_PARTS, *OWN_PROCESS}
     unknown = sorted(set(parts) - known)
     if unknown:
@@ -98,7 +100,7 @@ def _local(parts: list[str], args, out: Path) -> None:
     import torch
 
     device = torch.device("cpu")
-    for part in ("scale", "overhead"):
+    for part in LOCAL_PARTS:
         if part not in parts:
             continue
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -108,6 +110,10 @@ def _local(parts: list[str], args, out: Path) -> None:
             from . import scale
 
             result, name = scale.run(args.quick), "scale"
+        elif part == "explain_scale":
+            from . import explain_scale
+
+            result, name = explain_scale.run(args.quick), "explain_scale"
         else:
             from . import overhead
 

@@ -223,6 +223,29 @@ def test_scale_and_driver_in_process(tmp_path):
     assert [r["world"] for r in result["memory"]] == [8, 1024]
 
 
+def test_explain_part_in_process(tmp_path):
+    """Part ``explain_scale`` (benchmarks/explain_scale.py) through the driver: the tiny Llama
+    at 8 and 1024 fake ranks, with and without recompute; each largest batch fits the budget and
+    the next batch, when tried, does not; recompute lowers the peak; the report's table has
+    every row."""
+    from benchmarks import explain_scale, run
+
+    run.main(["--quick", "--only", "explain_scale", "--out", str(tmp_path), "--no-report"])
+    data = json.loads((tmp_path / "explain_scale.json").read_text())
+    result = data["result"]
+    budget = 32e6 / 2**30
+    peaks = {}
+    for row in result["rows"]:
+        by_batch = {int(b): p for b, p in row["peak_gib_by_batch"].items()}
+        best = row["largest_batch"]
+        assert best > 1 and by_batch[best] <= budget < by_batch[best + 1]
+        peaks[row["world"], row["recompute"]] = row["peak_gib"]
+    assert sorted(peaks) == [(8, False), (8, True), (1024, False), (1024, True)]
+    assert peaks[8, True] < peaks[8, False] and peaks[1024, True] < peaks[1024, False]
+    section = explain_scale.section({"explain_scale": data})
+    assert section.count("| tiny") == 4 and "largest batch in 32MB" in section
+
+
 def test_host_part_runs_quick():
     """benchmarks/host.py: one gloo rank, three frameworks at two depths (a subprocess: it makes
     its own process group)."""

@@ -37,6 +37,7 @@ INIT = "Initialisation: fs.materialize"
 TESTING = "The testing harness: fs.testing"
 COMPILE = "torch.compile"
 CUDA_GRAPH = "CUDA graphs: fs.cuda_graph"
+EXPLAIN_CLI = "Explaining a step at scale: python -m funcshard.explain"
 
 # The page section of each raise site: "file::function" first, then the file, then its folder.
 AREAS = {
@@ -66,6 +67,9 @@ AREAS = {
     "_compile.py": COMPILE,
     "_compat.py": COMPILE,
     "_cuda_graph.py": CUDA_GRAPH,
+    "_explain_cli.py": EXPLAIN_CLI,
+    "_explain_scale.py": EXPLAIN_CLI,
+    "_fake_world.py": EXPLAIN_CLI,
     "_bucketing.py": SCHEDULE,
     "_record.py": SCHEDULE,
     "_schedule.py": SCHEDULE,
