@@ -429,9 +429,14 @@ _COLLECTIVES = {
     "all_reduce_coalesced": "all_reduce",
 }
 _WAITS = {"wait_tensor"}
-# the categories whose storages funcshard empties in place (``resize_(0)``, not an operator):
-# a group's full parameters and the buffers of its collectives
-_EMPTIED = ("gathered parameters", "gradients")
+# [Note: storages emptied in place]
+# funcshard frees a group's full parameters, the buffers of its gathers and the inputs gloo
+# copies by ``untyped_storage().resize_(0)``, and refills a freed group the same way: not
+# operators, so the dispatch mode does not see them. Their sizes are read again where they can
+# have changed: when the schedule notes a new plan step (frees and refills are steps), after a
+# collective or its wait (the buffers around it), and for an operator's output that is an
+# existing storage (the copy into a refilled one).
+_EMPTIED = ("gathered parameters", "temporaries")
 
 
 @dataclasses.dataclass
@@ -481,7 +486,8 @@ class _Ledger(TorchDispatchMode):
         self.total_flops = 0
         self.operators = 0
         self.activations: dict[str, int] = {}  # group -> bytes alive when forward ends
-        self.gathered: dict[int, None] = {}  # storages the schedule empties and refills
+        self.emptied: dict[int, None] = {}  # see [Note: storages emptied in place]
+        self.stale = False
 
     # -- lifetime of storages
     def _track(self, t: torch.Tensor, category: str, group: str | None) -> None:
@@ -495,12 +501,12 @@ class _Ledger(TorchDispatchMode):
         )
         self.live[category] += n
         if category in _EMPTIED:
-            self.gathered[key] = None
+            self.emptied[key] = None
 
     def _died(self, key: int):
         def gone(_):
             entry = self.storages.pop(key, None)
-            self.gathered.pop(key, None)
+            self.emptied.pop(key, None)
             if entry is not None:
                 self.live[entry.category] -= entry.nbytes
 
@@ -567,7 +573,7 @@ class _Ledger(TorchDispatchMode):
         if noted is None or noted is self.seen_step or self.phase not in ("forward", "backward"):
             return
         self.seen_step = noted
-        self._resync([k for k, e in self.storages.items() if e.category == "temporaries"])
+        self.stale = True
         step, forward = noted
         phase = "forward" if forward else "backward"
         if phase == "backward" and self.phase == "forward":
@@ -628,7 +634,9 @@ class _Ledger(TorchDispatchMode):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor runs it on local tensors, which come back here
         self._follow_plan()
-        self._resync(list(self.gathered))
+        if self.stale:  # see [Note: storages emptied in place]
+            self._resync(list(self.emptied))
+            self.stale = False
         name = func._overloadpacket.__name__
         out = func(*args, **kwargs)
         if not self.counting and self.phase == "setup":
@@ -636,14 +644,20 @@ class _Ledger(TorchDispatchMode):
         kind = _COLLECTIVES.get(name)
         if kind is not None:
             self._collective(kind, func, args, out)
+            self.stale = True
         elif name in _WAITS:
             self._wait_tensor(args[0])
+            self.stale = True
         else:
             self._compute(func, args, kwargs, out)
         category = self._category(kind)
         for t in optree.tree_leaves(out, none_is_leaf=True):
             if isinstance(t, torch.Tensor):
-                self._track(t, category, self._group_now())
+                key = storage_key(t)
+                if key in self.storages:
+                    self._resync((key,))
+                else:
+                    self._track(t, category, self._group_now())
         self._peak()
         return out
 
@@ -946,11 +960,13 @@ def _seconds(fn: Callable[[], Any], repeat: int = 5) -> float:
 
 # ---- the table -----------------------------------------------------------------------------
 def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+    if abs(n) < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
         n /= 1024
-    raise AssertionError
+        if abs(n) < 1024:
+            return f"{n:.2f} {unit}"
+    return f"{n / 1024:.2f} TiB"
 
 
 def _table(e: Explanation) -> str:

@@ -681,6 +681,7 @@ class _Run:
         def done(grads):
             if (live := run()) is not None:
                 live._exit()
+                _liveness.step(Step("reduce_scatter", name), False)  # its backward is complete
                 live._free(live.groups[name])
             return grads
 

@@ -37,7 +37,7 @@ INIT = "Initialisation: fs.materialize"
 TESTING = "The testing harness: fs.testing"
 COMPILE = "torch.compile"
 CUDA_GRAPH = "CUDA graphs: fs.cuda_graph"
-EXPLAIN_CLI = "Explaining a step at scale: python -m funcshard.explain"
+EXPLAIN_CLI = "Explaining a step: fs.explain, python -m funcshard.explain"
 
 # The page section of each raise site: "file::function" first, then the file, then its folder.
 AREAS = {
@@ -67,7 +67,10 @@ AREAS = {
     "_compile.py": COMPILE,
     "_compat.py": COMPILE,
     "_cuda_graph.py": CUDA_GRAPH,
+    "_explain.py": EXPLAIN_CLI,
+    "_explain_plot.py": EXPLAIN_CLI,
     "_explain_cli.py": EXPLAIN_CLI,
+    "_post_forward.py": SCHEDULE,
     "_explain_scale.py": EXPLAIN_CLI,
     "_fake_world.py": EXPLAIN_CLI,
     "_bucketing.py": SCHEDULE,
