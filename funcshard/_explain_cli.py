@@ -169,7 +169,7 @@ def step_explainer(
     param_dtype: torch.dtype | None = torch.bfloat16,
     reduce_dtype: torch.dtype | None = torch.float32,
     recompute: bool = False,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int = True,
     optimizer: str = "adamw",
     hardware: _explain.Hardware | None = None,
     input_width: int | None = None,
@@ -244,7 +244,13 @@ def parser(usage: str) -> argparse.ArgumentParser:
     ap.add_argument("--reduce-dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--policy", help="comma-separated block classes or module names")
     ap.add_argument("--recompute", action="store_true", help="recompute every block in backward")
-    ap.add_argument("--no-reshard", action="store_true", help="keep gathered params to backward")
+    reshard = ap.add_mutually_exclusive_group()
+    reshard.add_argument(
+        "--no-reshard", action="store_true", help="keep gathered params to backward"
+    )
+    reshard.add_argument(
+        "--reshard-to", type=int, metavar="N", help="after forward keep a 1/N slice (hpZ)"
+    )
     ap.add_argument("--optimizer", choices=("adamw", "none"), default="adamw")
     ap.add_argument("--budget", default="80GB", help="bytes per rank: 80GB (1e9) or 80GiB")
     ap.add_argument("--hardware", choices=("h100", "measure"), default="h100")
@@ -284,7 +290,7 @@ def main(argv: Sequence[str] | None = None, usage: str = "") -> int:
             param_dtype=DTYPES[args.param_dtype],
             reduce_dtype=DTYPES[args.reduce_dtype],
             recompute=args.recompute,
-            reshard_after_forward=not args.no_reshard,
+            reshard_after_forward=args.reshard_to or not args.no_reshard,
             optimizer=args.optimizer,
             hardware=hardware,
             input_width=args.input_width,

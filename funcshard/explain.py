@@ -3,7 +3,7 @@
     python -m funcshard.explain (--model MODULE:FUNCTION | --hf-config CONFIG)
         [--hf-override K=V,...] [--world N | RxS] [--batch B] [--seq S] [--input-width W]
         [--param-dtype bf16|fp16|fp32] [--reduce-dtype bf16|fp16|fp32] [--policy A,B]
-        [--recompute] [--no-reshard] [--optimizer adamw|none] [--budget 80GB]
+        [--recompute] [--no-reshard | --reshard-to N] [--optimizer adamw|none] [--budget 80GB]
         [--hardware h100|measure] [--no-search] [--json PATH] [--png PATH]
 
 The model is built on the meta device: ``--model pkg.mod:fn`` calls ``fn()`` (an nn.Module);

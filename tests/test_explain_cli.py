@@ -214,3 +214,21 @@ def test_fake_world_2x4():
 class _Peak:
     def __init__(self, peak_bytes: int) -> None:
         self.peak_bytes = peak_bytes
+
+
+def test_cli_reshard_to_a_smaller_mesh(tmp_path):
+    """``--reshard-to 2`` on 8 ranks: every block's backward all-gather runs over a sub-group
+    of 2 ranks, each rank sending half the group; the forward ones over all 8."""
+    path = tmp_path / "e.json"
+    cli(
+        *("--model", "test_explain_cli:tiny_lm", "--world", "8", "--seq", "64"),
+        *("--reshard-to", "2", "--no-search", "--json", str(path)),
+    )
+    data = json.loads(path.read_text())
+    gathers = [c for c in data["collectives"] if c["kind"] == "all_gather"]
+    backward = [c for c in gathers if c["phase"] == "backward"]
+    assert backward and all(c["mesh_dim"] == "sub-group (2 ranks)" for c in backward)
+    assert all(c["in_bytes"] * 2 == c["out_bytes"] for c in backward)
+    forward = [c for c in gathers if c["phase"] == "forward"]
+    assert all(c["mesh_dim"].endswith("(8 ranks)") for c in forward)
+    assert {g["reshard_after_forward"] for g in data["groups"] if g["name"]} == {2}
