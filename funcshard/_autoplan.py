@@ -356,13 +356,19 @@ def _on_meta(t: torch.Tensor) -> torch.Tensor:
 
 def _repeated(module: nn.Module) -> list[type[nn.Module]]:
     """Classes with parameters that appear twice or more among the children of a
-    ``ModuleList`` / ``Sequential`` of ``module``, outermost first."""
+    ``ModuleList`` / ``Sequential`` of ``module``, outermost first, leaving out those found only
+    inside another such class (a block's ``Sequential`` of ``Linear`` layers: finer groups cost
+    the scheduler's per-group host time, which explain does not count)."""
     found: list[type[nn.Module]] = []
-    for m in module.modules():
-        if not isinstance(m, (nn.ModuleList, nn.Sequential)):
-            continue
-        counts = Counter(type(c) for c in m.children() if any(True for _ in c.parameters()))
-        found += [c for c, n in counts.items() if n >= 2 and c not in found]
+
+    def walk(m: nn.Module, inside: bool) -> None:
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and not inside:
+            counts = Counter(type(c) for c in m.children() if any(True for _ in c.parameters()))
+            found.extend(c for c, n in counts.items() if n >= 2 and c not in found)
+        for c in m.children():
+            walk(c, inside or type(c) in found)
+
+    walk(module, False)
     return found
 
 
