@@ -23,7 +23,8 @@ name the smallest budget that fits.
 [Note: one plan on every rank]
 Each rank's explanation is its own (uneven shards, measured rates), so ranks could choose
 differently, and different plans hang. On a real multi-rank process group, rank 0's result is
-broadcast: ``autoplan`` is then collective.
+broadcast -- its error too, so that no rank raises while another waits: ``autoplan`` is then
+collective.
 """
 
 from __future__ import annotations
@@ -180,7 +181,13 @@ def autoplan(
         loss,
         hardware,
     )
-    result = _broadcast(search.run(policy))
+    try:
+        outcome: Autoplanned | str = search.run(policy)
+    except ValueError as error:
+        outcome = str(error)
+    result = _broadcast(outcome)
+    if isinstance(result, str):
+        raise ValueError(result)
     return result if explain else result.plan
 
 
@@ -208,7 +215,7 @@ class _Search:
         scored = []
         for name, base in groupings:
             plain = self.score(name, base)
-            recomputing = self.score(name, base.with_recompute(True))
+            recomputing = self.score(name, self.variant(base, reshard=True, recompute=True))
             scored.append((min(_key(plain), _key(recomputing)), name, base))
         scored.sort(key=lambda s: s[0])
         # stage 2: reshard x recompute, for the best two groupings
@@ -403,8 +410,9 @@ def _mib(b: int) -> str:
     return f"{b / 2**20:.2f} MiB"
 
 
-def _broadcast(result: Autoplanned) -> Autoplanned:
-    """Rank 0's result on every rank of a real multi-rank group (see [Note: one plan ...])."""
+def _broadcast(result: Autoplanned | str) -> Autoplanned | str:
+    """Rank 0's result (or its error message) on every rank of a real multi-rank group (see
+    [Note: one plan on every rank])."""
     if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
         return result
     box = [result]
