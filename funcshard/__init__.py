@@ -2,6 +2,7 @@
 
 from . import checkpoint, optim, policy, testing
 from ._autodiff import grad, per_sample_grad, value_and_grad
+from ._autoplan import Autoplanned, Tried, autoplan
 from ._bucketing import merge_groups
 from ._construction import Construction, on_meta
 from ._cuda_graph import cuda_graph
@@ -16,6 +17,7 @@ from ._spec import LocalShard, ShardSpec, from_local, to_local, tree_map
 from .transforms import reduce, shard, unshard
 
 __all__ = [
+    "Autoplanned",
     "Collective",
     "Construction",
     "Explanation",
@@ -27,6 +29,8 @@ __all__ = [
     "Plan",
     "ShardSpec",
     "Step",
+    "Tried",
+    "autoplan",
     "checking_collectives",
     "checkpoint",
     "cuda_graph",
