@@ -323,8 +323,9 @@ class _Search:
         return min(fitting, key=lambda t: (t.predicted_step_s, t.peak_bytes), default=None)
 
     def nothing_fits(self) -> str:
-        if not self.tried:
-            raise self.refused[0]
+        if not self.tried:  # every candidate failed: the first failure, as explain raised it
+            error = self.refused[0]
+            raise error
         low = min(self.tried, key=lambda t: t.peak_bytes)
         return (
             f"fs.autoplan: no plan fits memory_budget={self.budget} bytes "

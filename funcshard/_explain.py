@@ -674,7 +674,8 @@ class _Ledger(TorchDispatchMode):
         return "temporaries"
 
     def _compute(self, func, args, kwargs, out) -> None:
-        if not self.counting:
+        outs = [t for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if not self.counting or not outs:  # metadata (``prim.device``, sizes): no work
             return
         self.operators += 1
         flops = 0
@@ -684,7 +685,6 @@ class _Ledger(TorchDispatchMode):
         tensors = [
             t for t in optree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)
         ]
-        outs = [t for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         view = (
             outs
             and all(any(_same_storage(o, i) for i in tensors if i is not o) for o in outs)

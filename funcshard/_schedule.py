@@ -548,6 +548,7 @@ class _Run:
         self.held_frees: list[tuple[_Group, bool]] = []  # (group, keep a slice)
         # checkpoint regions: see [Note: activation checkpointing inside a funcshard call]
         self.rebind: tuple[nn.Module, dict[str, Any]] | None = None
+        self.pending_backward = set(self.groups)  # groups whose backward has not completed
         self.recomputing = 0
         self.sealed: str | None = None  # a recompute group's forward is running (_recompute)
 
@@ -683,9 +684,18 @@ class _Run:
                 live._exit()
                 _liveness.step(Step("reduce_scatter", name), False)  # its backward is complete
                 live._free(live.groups[name])
+                live.backward_done(name)
             return grads
 
         return done
+
+    def backward_done(self, name: str) -> None:
+        """Group ``name``'s backward is complete; after the last group's, nothing will run a
+        checkpoint region again: drop the module's bindings, whose stand-ins refer to this run
+        (a cycle that would keep the run, and what it holds, until the cycle collector runs)."""
+        self.pending_backward.discard(name)
+        if not self.pending_backward:
+            self.rebind = None
 
     def end_forward(self) -> None:
         self._exit()

@@ -68,6 +68,7 @@ AREAS = {
     "_compat.py": COMPILE,
     "_cuda_graph.py": CUDA_GRAPH,
     "_explain.py": EXPLAIN_CLI,
+    "_autoplan.py": EXPLAIN_CLI,
     "_explain_plot.py": EXPLAIN_CLI,
     "_explain_cli.py": EXPLAIN_CLI,
     "_post_forward.py": SCHEDULE,
@@ -89,6 +90,8 @@ AREAS = {
 
 # Sites whose message is not written at the raise: "file::qualified function" -> (type, phrases).
 INDIRECT = {
+    "_autoplan.py::autoplan": ("ValueError", ["no plan fits memory_budget"]),  # nothing_fits()
+    "_autoplan.py::_Search.run": ("ValueError", ["no plan fits memory_budget"]),
     "_dtensor.py::locals_of": ("NotImplementedError", ["transforms over DTensor trees"]),
     "_compile.py::refuse_while_tracing": (
         "RuntimeError",

@@ -356,6 +356,47 @@ def test_recompute_lowers_the_peak(world2):
         assert peaks["plain"] - peaks["recompute"] > 20 * activation, (peaks, activation)
 
 
+def cyclic_garbage():
+    """One recomputing step with Python's cycle collector off, then what only the collector
+    frees: the checkpoint regions' frames (which keep their inputs), and the bytes held by the
+    computed tensors among it."""
+    torch.manual_seed(0)
+    model, sharded, _, plan = _setup(model=Deep(), policy=DropBlock, recompute=True)
+    apply = fs.schedule(model, plan)
+    x = torch.randn(64, 16)
+
+    def step():
+        return fs.value_and_grad(lambda s: apply(s, x).square().mean())(sharded)
+
+    step()
+    gc.collect()
+    gc.disable()
+    try:
+        step()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        frames = sum(type(o).__name__ == "_CheckpointFrame" for o in gc.garbage)
+        storages = {  # the memory they hold (a freed group's full tensors hold none)
+            o.untyped_storage()._cdata: o.untyped_storage().nbytes()
+            for o in gc.garbage
+            if type(o) is torch.Tensor and o.grad_fn is not None
+        }
+        activations = sum(storages.values())
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    return frames, activations
+
+
+def test_recomputed_inputs_are_freed_without_the_cycle_collector(world2):
+    """A region's frame keeps its inputs for the recompute: it must die with the region's
+    backward, not wait for the cycle collector (a cycle through the frame kept every block's
+    input alive to the end of backward, or until the collector happened to run)."""
+    for frames, activations in world2.run(cyclic_garbage):
+        assert frames == 0 and activations == 0, (frames, activations)
+
+
 @pytest.mark.parametrize("mode", ["value_and_grad", "torch_func"])
 def test_recomputing_training_does_not_leak(world2, mode):
     """The recompute's autograd nodes hold nothing of a step's state: live tensors stay flat
