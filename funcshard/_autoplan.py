@@ -152,8 +152,8 @@ def autoplan(
             ``ModuleList`` / ``Sequential``, and one group).
         param_dtype / reduce_dtype: mixed precision, set on every group of the plan.
         loss: ``loss(output, *args) -> scalar``, as in :func:`~funcshard.explain`.
-        hardware: the rates; default :meth:`Hardware.measure` on the mesh's device type,
-            measured once (compute only: pass ``Hardware.measure(group)`` to include the link).
+        hardware: the rates; default :meth:`Hardware.measure` over the mesh's last dim (its
+            link, and funcshard's host cost per operator on it), measured once.
         explain: return an :class:`Autoplanned` (plan, explanation, every candidate tried)
             instead of the plan alone.
 
@@ -168,7 +168,7 @@ def autoplan(
         raise ValueError(
             f"fs.autoplan: memory_budget must be a positive int of bytes, got {memory_budget!r}."
         )
-    hardware = hardware or Hardware.measure(device=mesh.device_type)
+    hardware = hardware or Hardware.measure(mesh.get_group(mesh.ndim - 1), device=mesh.device_type)
     search = _Search(
         module,
         mesh,

@@ -126,7 +126,8 @@ class Hardware:
     ``memory_bytes_per_s``: memory bandwidth of elementwise work; ``op_overhead_s``: host time
     per operator; ``link_bytes_per_s`` / ``latency_s``: of one collective, per rank;
     ``cache_bytes`` / ``cache_bytes_per_s``: an operator that touches at most ``cache_bytes``
-    moves them at this rate instead (``0``: no cache tier)."""
+    moves them at this rate instead (``0``: no cache tier); ``step_overhead_s``: the
+    scheduler's host time per plan step it executes (see [Note: the host's cost])."""
 
     flops_per_s: Mapping[torch.dtype, float]
     memory_bytes_per_s: float
@@ -136,6 +137,7 @@ class Hardware:
     name: str = "given"
     cache_bytes: int = 0
     cache_bytes_per_s: float = 0.0
+    step_overhead_s: float = 0.0
 
     def flops(self, dtype: torch.dtype) -> float:
         return self.flops_per_s.get(dtype, self.flops_per_s[torch.float32])
@@ -164,9 +166,11 @@ class Hardware:
     def measure(group: dist.ProcessGroup | None = None, *, device: str = "cpu") -> Hardware:
         """Rates measured here in about a second: a matmul per dtype, an add of 64 MiB
         tensors (memory) and of 256 KiB ones (the cache tier, for operators of up to 4 MiB),
-        a small op, and -- with ``group`` (collective: every rank of it calls this) -- an
-        all-gather of 16 MiB and of 4 bytes on it. Without a group the link takes the memory
-        bandwidth (ranks on one host)."""
+        the host's cost per operator of a tiny eager training step, and -- with ``group``
+        (collective: every rank of it calls this) -- an all-gather of 16 MiB and of 4 bytes
+        on it, and the scheduler's host cost per plan step, from a tiny funcshard step sharded
+        over it (see [Note: the host's cost]). Without a group the link takes the memory
+        bandwidth (ranks on one host) and plan steps cost nothing beyond their operators."""
         flops = {dt: _rate(_matmul(dt, device)) for dt in (torch.float32, torch.bfloat16)}
         x = torch.empty(1 << 24, device=device)  # 64 MiB
         memory = 3 * x.nbytes / _seconds(lambda: torch.add(x, x))
@@ -182,9 +186,13 @@ class Hardware:
             latency = _seconds(lambda: dist.all_gather_into_tensor(tiny_out, tiny, group=group))
             spent = _seconds(lambda: dist.all_gather_into_tensor(out, big, group=group))
             link = out.nbytes * (world - 1) / world / max(spent - latency, 1e-9)
-        return Hardware(
+        rates = Hardware(
             flops, memory, overhead, link, latency, f"measured ({device})", 4 << 20, cached
         )
+        if group is not None and dist.get_world_size(group) > 1:
+            per_op, per_step = _host_costs(group, rates)
+            rates = dataclasses.replace(rates, op_overhead_s=per_op, step_overhead_s=per_step)
+        return rates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -583,6 +591,8 @@ class _Ledger(TorchDispatchMode):
         for j in range(at + 1, len(steps)):
             if steps[j] == step:
                 self.position[phase] = j
+                self.compute_clock += self.hw.step_overhead_s  # see [Note: the host's cost]
+                self.compute_total += self.hw.step_overhead_s
                 if step.op == "wait":
                     self._wait_group(step.group)
                 self._moment()
@@ -913,6 +923,51 @@ def _matmul(dtype: torch.dtype, device: str) -> tuple[Callable[[], Any], float]:
     return (lambda: a @ a), 2 * n**3
 
 
+def _host_costs(group: dist.ProcessGroup, rates: Hardware) -> tuple[float, float]:
+    """The host's cost per operator and per plan step, from two tiny steps scheduled over
+    ``group`` -- eight layers as eight groups, and as one -- timed, less what ``rates``
+    predict for them without host costs: two equations in the two costs.
+
+    [Note: the host's cost]
+    On a small model the step's time is mostly the host's: Python in the modules, autograd
+    and dispatch, per operator (``op_overhead_s``), and funcshard's own work per plan step:
+    gathers issued and waited for, frees, stand-ins resolved, hooks (``step_overhead_s``). The
+    second is what makes a plan of many groups slower than one of few on the same operators.
+    Both are fitted to two tiny funcshard steps on the very process group, which differ mostly
+    in their number of plan steps; each is timed by the median of several runs, so a rank that
+    shares its cores is measured sharing them. Without a process group, the cost per operator
+    is a tiny eager step's and plan steps cost nothing more. Collective: every rank of
+    ``group`` runs the steps.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ._autodiff import value_and_grad
+    from ._extract import extract
+    from ._grouping import by_type
+    from ._plan import plan
+    from ._schedule import schedule
+    from .transforms import shard
+
+    device = rates.name.removeprefix("measured (").removesuffix(")")
+    mesh = DeviceMesh.from_group(group, device)
+    model = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(8))).to(device)
+    params, _ = extract(model)
+    sharded = shard(params, mesh)
+    x = torch.randn(8, 16, device=device)
+    bare = dataclasses.replace(rates, op_overhead_s=0.0, step_overhead_s=0.0)
+    rows = []
+    for policy in (by_type(torch.nn.Linear), None):
+        apply = schedule(model, plan(model, policy))
+        spent = _seconds(lambda a=apply: value_and_grad(lambda p: a(p, x).sum())(sharded), 9)
+        e = explain(apply, sharded, x, hardware=bare)
+        steps = sum(m.phase != "optimizer" for m in e.timeline)
+        rows.append((e.operators, steps, spent - e.predicted_step_s))
+    (o1, s1, t1), (o2, s2, t2) = rows
+    per_step = max((t1 * o2 - t2 * o1) / (s1 * o2 - s2 * o1), 0.0)
+    per_op = max((t2 - per_step * s2) / o2, rates.op_overhead_s)
+    return per_op, per_step
+
+
 def _host_s(device: str) -> float:
     """Host time per operator of a tiny eager training step (modules, autograd, dispatch:
     what a model's operator costs beyond its arithmetic): its time over its operators."""
@@ -944,9 +999,10 @@ def _rate(work: tuple[Callable[[], Any], float]) -> float:
 
 
 def _seconds(fn: Callable[[], Any], repeat: int = 5) -> float:
-    """The fastest of ``repeat`` timed calls after one warm-up."""
+    """The median of ``repeat`` timed calls after one warm-up (as the steps it predicts are
+    measured: a machine whose cores are shared is measured shared)."""
     fn()
-    best = math.inf
+    times = []
     for _ in range(repeat):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -954,8 +1010,8 @@ def _seconds(fn: Callable[[], Any], repeat: int = 5) -> float:
         fn()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
 
 
 # ---- the table -----------------------------------------------------------------------------
