@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from . import _liveness, _store
+from . import _liveness, _store, _updates
 from ._compat import storage_key
 from ._plan import Plan, Step
 from ._schedule import Scheduled
@@ -329,7 +329,7 @@ def explain(
     from .optim import step as optim_step
 
     reduce = loss or _sum_of_floats
-    with _store.alone(), fake_mode, _record_steps(), ledger:
+    with _store.alone(), fake_mode, _leaving_no_trace(), ledger:
         fake = {k: _fake_shard(v, local_shapes[k], device) for k, v in params.items()}
         fake_args, fake_kwargs, fake_buffers = optree.tree_map(
             lambda t: _fake(t, device) if isinstance(t, torch.Tensor) else t,
@@ -411,14 +411,24 @@ def _counters_known(state: Any, mode) -> Any:
 
 
 @contextlib.contextmanager
-def _record_steps():
-    """Restore ``_liveness.RECORD``'s step afterwards (the fake step is not this rank's)."""
-    before = _liveness.RECORD.step, _liveness.RECORD.collective
-    _liveness.RECORD.step = _liveness.RECORD.collective = None
+def _leaving_no_trace():
+    """Restore what the fake step changes in this rank's records afterwards: it is not this
+    rank's step. ``_liveness.RECORD`` (the call, plan step and collectives a hang report
+    shows; the ledger reads the step), and the optimizer updates not yet checked with the
+    other ranks (see [Note: the optimizer rides the next check] in ``_updates``): the fake
+    step's update must not count, and its agreement checks must not consume the real ones."""
+    record = _liveness.RECORD
+    fields = ("call", "step", "collective", "issued")
+    before = {f: getattr(record, f) for f in fields}
+    updates = list(_updates._PENDING), _updates._DROPPED[0]
+    record.step = record.collective = None
     try:
         yield
     finally:
-        _liveness.RECORD.step, _liveness.RECORD.collective = before
+        for f, v in before.items():
+            setattr(record, f, v)
+        _updates._PENDING[:] = updates[0]
+        _updates._DROPPED[0] = updates[1]
 
 
 # ---- the ledger ----------------------------------------------------------------------------

@@ -163,7 +163,10 @@ def test_explain_refuses_what_is_not_a_scheduled_apply():
 
 
 def _explain_alone(_: int) -> tuple[int, int]:
-    """Rank 0 explains while rank 1 does not: nothing may wait for rank 1."""
+    """A real step with AdamW on both ranks, then rank 0 explains a step (with the optimizer)
+    while rank 1 does not, then both take another real step: nothing may wait for rank 1, and
+    the fake step must leave no trace in what the ranks check with each other (its optimizer
+    update, the real update not yet checked)."""
     import torch.distributed as dist
 
     from _mesh import mesh
@@ -174,11 +177,20 @@ def _explain_alone(_: int) -> tuple[int, int]:
     params, _ = fs.extract(model)
     sharded = fs.shard(params, m)
     apply = fs.schedule(model, fs.plan(model, fs.policy.by_type(Block)))
+    opt = fs.optim.adamw(1e-3)
+    state = opt.init(sharded)
+    x = torch.ones(ROWS, WIDTH)
+
+    def step(sharded, state):
+        loss, grads = fs.value_and_grad(lambda p: apply(p, x).sum())(sharded)
+        return (*fs.optim.step(opt, sharded, grads, state), loss)
+
+    sharded, state, _ = step(sharded, state)
     peak = -1
     if dist.get_rank() == 0:
-        peak = fs.explain(apply, sharded, torch.randn(ROWS, WIDTH), hardware=HW).peak_bytes
+        peak = fs.explain(apply, sharded, x, optimizer=opt, hardware=HW).peak_bytes
     dist.barrier()
-    loss = apply(sharded, torch.ones(ROWS, WIDTH)).sum()  # the real step still runs after
+    sharded, state, loss = step(sharded, state)  # the real steps still agree
     return peak, int(loss.isfinite())
 
 

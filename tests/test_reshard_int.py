@@ -18,17 +18,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import funcshard as fs
 from funcshard import _schedule
 
+from _comm import KINDS
 from _mesh import mesh
 from _models import Block, lm_loss, make, reference_step, tokens
-
-_KINDS = {
-    "all_gather_into_tensor": "all_gather",
-    "_allgather_base_": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "_reduce_scatter_base_": "reduce_scatter",
-    "all_reduce": "all_reduce",
-    "allreduce_": "all_reduce",
-}
 
 
 class _Sizes(TorchDispatchMode):
@@ -40,7 +32,7 @@ class _Sizes(TorchDispatchMode):
         self.seen: dict[tuple[str, int], list[int]] = collections.defaultdict(list)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kind = _KINDS.get(func.overloadpacket.__name__)
+        kind = KINDS.get(func.overloadpacket.__name__)
         if kind is not None and func.namespace in ("_c10d_functional", "c10d"):
             if func.namespace == "c10d":  # (output, input, group, ...) / ([tensors], group, ...)
                 group = next(a for a in args if isinstance(a, torch.ScriptObject))
