@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from . import _liveness, _store, _updates
-from ._compat import storage_key
+from ._compat import all_gather_single, storage_key
 from ._plan import Plan, Step
 from ._schedule import Scheduled
 
@@ -183,8 +183,8 @@ class Hardware:
             big = torch.empty(1 << 22, device=device)
             out = torch.empty(world * big.numel(), device=device)
             tiny, tiny_out = big[:1], out[:world]
-            latency = _seconds(lambda: dist.all_gather_into_tensor(tiny_out, tiny, group=group))
-            spent = _seconds(lambda: dist.all_gather_into_tensor(out, big, group=group))
+            latency = _seconds(lambda: all_gather_single(tiny_out, tiny, group=group))
+            spent = _seconds(lambda: all_gather_single(out, big, group=group))
             link = out.nbytes * (world - 1) / world / max(spent - latency, 1e-9)
         rates = Hardware(
             flops, memory, overhead, link, latency, f"measured ({device})", 4 << 20, cached

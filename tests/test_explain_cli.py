@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 import funcshard as fs
+from funcshard._compat import all_gather_single
 from funcshard._explain_scale import largest_batch, parse_bytes
 from funcshard._fake_world import fake_world
 
@@ -202,7 +203,7 @@ def test_fake_world_2x4():
         assert mesh.get_group("shard").size() == 4 and mesh.get_group("replicate").size() == 2
         x = torch.ones(2, 3)
         out = torch.empty(8, 3)
-        dist.all_gather_into_tensor(out, x, group=mesh.get_group("shard"))
+        all_gather_single(out, x, group=mesh.get_group("shard"))
         dist.all_reduce(x, group=mesh.get_group("replicate"))
         with pytest.raises(ValueError, match="already initialized"), fake_world(8):
             pass
