@@ -103,3 +103,37 @@ def test_explain_accuracy_section_has_a_row_per_configuration():
     text = ea.section({"explain-2ranks": result | {"result": {"rows": [row]}}})
     assert "| mlp, fp32 | 101.00 | 100.00 | **-5.0%** | **no** | 5 | 100 | 150 | +50% |" in text
     assert "peak error at most 5.0%" in text and "2 ranks" in text
+
+
+def test_private_torch_apis_explain_runs_on():
+    """What fs.explain's fake step relies on, outside the converter: a dispatch mode pushed over
+    ``FakeTensorMode`` sees every operator with fake arguments (and a DTensor one first, to
+    which it may answer ``NotImplemented``); ``torch._C._len_torch_dispatch_stack`` counts the
+    modes (``Deferred`` makes its placeholders outside them); fake storages have weak
+    references that die with them, and sizes that ``resize_`` changes. Fails on a torch
+    upgrade that changes any of it."""
+    import weakref
+
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Seeing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append((func._overloadpacket.__name__, type(args[0]).__name__))
+            return func(*args, **(kwargs or {}))
+
+    assert torch._C._len_torch_dispatch_stack() == 0
+    with FakeTensorMode(), Seeing():
+        assert torch._C._len_torch_dispatch_stack() == 2
+        x = torch.empty(4, 4)
+        y = x @ x
+        storage = y.untyped_storage()
+        dead = []
+        weakref.finalize(storage, lambda: dead.append(True))
+        storage.resize_(0)
+        assert storage.nbytes() == 0
+        del y, storage
+        assert dead == [True]
+    assert isinstance(x, FakeTensor) and ("mm", "FakeTensor") in seen
