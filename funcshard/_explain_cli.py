@@ -190,15 +190,18 @@ def step_explainer(
             return torch.zeros(batch, seq, dtype=torch.long, device="meta")
         return torch.zeros(batch, seq, input_width, device="meta")
 
-    the_plan = plan(
-        model,
-        group_policy,
-        example_args=(inputs(1),),
+    options = dict(
         reshard_after_forward=reshard_after_forward,
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
         recompute=True if recompute else None,
     )
+    try:
+        the_plan = plan(model, group_policy, example_args=(inputs(1),), **options)
+    except RuntimeError as e:  # a forward that cannot run on meta tensors: module order
+        print(f"note: {e}\n      using the module order instead (groups used out of it are "
+              "gathered on demand, with a warning)")  # fmt: skip
+        the_plan = plan(model, group_policy, **options)
     apply = schedule(model, the_plan)
     sharded = shard(params, mesh)
     opt = optim.adamw(1e-4) if optimizer == "adamw" else None

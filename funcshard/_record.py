@@ -38,6 +38,15 @@ from ._spec import as_locals
 from .transforms._unshard import unshard
 
 
+def _computed(param: torch.Tensor, group) -> torch.dtype:
+    """The dtype the schedule gives the module for ``param``: its group's ``param_dtype`` for a
+    floating parameter (kernels that take only low precision, as grouped matmuls on meta, then
+    run in the dry run as in the step)."""
+    if group.param_dtype is not None and param.is_floating_point():
+        return group.param_dtype
+    return param.dtype
+
+
 def record_order(
     module: nn.Module,
     groups,
@@ -71,8 +80,9 @@ def record_order(
         return _real_run(module, groups, sharded, buffers, args, kwargs, fn)
     group_of = {p: g.name for g in groups for p in g.params}
     shapes = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-    recorder = _Recorder(group_of, shapes)
-    params = {p: Deferred(p, shapes[p].shape, shapes[p].dtype, "meta", recorder) for p in group_of}
+    dtypes = {p: _computed(shapes[p], g) for g in groups for p in g.params}
+    recorder = _Recorder(group_of, shapes, dtypes)
+    params = {p: Deferred(p, shapes[p].shape, dtypes[p], "meta", recorder) for p in group_of}
     # buffers and parameters in no group (ignored ones) take part as data-less meta tensors;
     # tied aliases follow their first name (functional_call), even if to("meta") untied them
     tied = aliases(module)
@@ -96,8 +106,13 @@ def record_order(
 class _Recorder:
     """A resolver that logs the groups used and answers with meta tensors."""
 
-    def __init__(self, group_of: dict[str, str], shapes: dict[str, torch.Tensor]) -> None:
-        self.group_of, self.shapes = group_of, shapes
+    def __init__(
+        self,
+        group_of: dict[str, str],
+        shapes: dict[str, torch.Tensor],
+        dtypes: dict[str, torch.dtype],
+    ) -> None:
+        self.group_of, self.shapes, self.dtypes = group_of, shapes, dtypes
         self.runs: list[str] = []
 
     def resolve(self, fqns) -> list[torch.Tensor]:
@@ -107,7 +122,7 @@ class _Recorder:
             if not self.runs or self.runs[-1] != group:
                 self.runs.append(group)
             t = self.shapes[fqn]
-            out.append(torch.empty(t.shape, dtype=t.dtype, device="meta"))
+            out.append(torch.empty(t.shape, dtype=self.dtypes[fqn], device="meta"))
         return out
 
     def release(self) -> None:

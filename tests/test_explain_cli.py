@@ -7,6 +7,7 @@ import json
 import re
 import runpy
 import sys
+import warnings
 
 import pytest
 import torch
@@ -233,3 +234,19 @@ def test_cli_reshard_to_a_smaller_mesh(tmp_path):
     forward = [c for c in gathers if c["phase"] == "forward"]
     assert all(c["mesh_dim"].endswith("(8 ranks)") for c in forward)
     assert {g["reshard_after_forward"] for g in data["groups"] if g["name"]} == {2}
+
+
+def test_cli_mixture_of_experts():
+    """A tiny Mixtral (experts as grouped matmuls, which take only low precision on meta):
+    the plan's dry run computes in the groups' param_dtype, as the step does, so the order is
+    recorded and every group is used where the plan says (no warning)."""
+    overrides = "hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,"
+    overrides += "num_key_value_heads=2,vocab_size=512,num_local_experts=4"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        text = cli(
+            *("--hf-config", "mixtral", "--hf-override", overrides, "--world", "8"),
+            *("--seq", "32", "--no-search"),
+        )
+    assert "note:" not in text and "model.layers.1" in text
+    assert re.search(r"reduce_scatter\s+model\.layers\.0\s", text)
