@@ -342,8 +342,7 @@ def run(ctx: harness.Context) -> dict[str, Any]:
         gc.collect()
     return {
         "rows": rows,
-        "hardware": dataclasses.asdict(hardware)
-        | {"flops_per_s": {str(k): v for k, v in hardware.flops_per_s.items()}},
+        "hardware": hardware.to_dict(),
     }
 
 

@@ -77,9 +77,9 @@ def measure(width: int = 512, blocks: int = 4, steps: int = 30) -> dict[str, flo
             if step >= 3:  # warm-up
                 times.append(time.perf_counter() - start)
             out[f"{name} MB sent"] = sent.bytes / 2**20
-            out[f"{name} gradient MB"] = sum(
-                g.to_local().numel() * g.element_size() for g in grads.values()
-            ) / 2**20
+            out[f"{name} gradient MB"] = (
+                sum(g.to_local().numel() * g.element_size() for g in grads.values()) / 2**20
+            )
     for name, run in runs.items():
         out[f"{name} ms"] = statistics.median(run[3]) * 1e3
     diff = max((runs["ZeRO-1"][1][k].to_local() - runs["ZeRO-2"][1][k].to_local()).abs().max()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import time
@@ -138,16 +139,38 @@ class Hardware:
     cache_bytes: int = 0
     cache_bytes_per_s: float = 0.0
     step_overhead_s: float = 0.0
+    flops_curve: Mapping[torch.dtype, tuple[tuple[float, float], ...]] = dataclasses.field(
+        default_factory=dict
+    )
 
-    def flops(self, dtype: torch.dtype) -> float:
-        return self.flops_per_s.get(dtype, self.flops_per_s[torch.float32])
+    def flops(self, dtype: torch.dtype, work: float | None = None) -> float:
+        """The FLOP rate of ``dtype``; with ``work`` (one operator's FLOPs) and a measured
+        ``flops_curve`` of ``(flops, rate)`` points, the rate at that size (interpolated in
+        log FLOPs, the ends held): small matmuls run below the peak, in bf16 on a CPU far
+        below."""
+        curve = self.flops_curve.get(dtype)
+        if not curve or not work:
+            return self.flops_per_s.get(dtype, self.flops_per_s[torch.float32])
+        at = math.log(work)
+        points = [(math.log(f), r) for f, r in curve]
+        if at <= points[0][0]:
+            return points[0][1]
+        for (x0, r0), (x1, r1) in itertools.pairwise(points):
+            if at <= x1:
+                return r0 + (r1 - r0) * (at - x0) / (x1 - x0)
+        return points[-1][1]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The rates as JSON-ready data (dtypes by name)."""
+        return _plain(self)
 
     def operator_s(self, flops: float, moved: int, dtype: torch.dtype) -> float:
         """The predicted time of one operator: its FLOPs or its bytes, whichever bounds it,
         plus the host's cost of an operator."""
         cached = self.cache_bytes_per_s and moved <= self.cache_bytes
         bandwidth = self.cache_bytes_per_s if cached else self.memory_bytes_per_s
-        return self.op_overhead_s + max(flops / self.flops(dtype), moved / bandwidth)
+        computing = flops / self.flops(dtype, flops) if flops else 0.0
+        return self.op_overhead_s + max(computing, moved / bandwidth)
 
     @staticmethod
     def h100() -> Hardware:
@@ -171,7 +194,8 @@ class Hardware:
         on it, and the scheduler's host cost per plan step, from a tiny funcshard step sharded
         over it (see [Note: the host's cost]). Without a group the link takes the memory
         bandwidth (ranks on one host) and plan steps cost nothing beyond their operators."""
-        flops = {dt: _rate(_matmul(dt, device)) for dt in (torch.float32, torch.bfloat16)}
+        curve = {dt: _matmul_curve(dt, device) for dt in (torch.float32, torch.bfloat16)}
+        flops = {dt: max(r for _, r in points) for dt, points in curve.items()}
         x = torch.empty(1 << 24, device=device)  # 64 MiB
         memory = 3 * x.nbytes / _seconds(lambda: torch.add(x, x))
         y = torch.empty(1 << 16, device=device)  # 256 KiB
@@ -187,7 +211,15 @@ class Hardware:
             spent = _seconds(lambda: all_gather_single(out, big, group=group))
             link = out.nbytes * (world - 1) / world / max(spent - latency, 1e-9)
         rates = Hardware(
-            flops, memory, overhead, link, latency, f"measured ({device})", 4 << 20, cached
+            flops,
+            memory,
+            overhead,
+            link,
+            latency,
+            f"measured ({device})",
+            4 << 20,
+            cached,
+            flops_curve=curve,
         )
         if group is not None and dist.get_world_size(group) > 1:
             per_op, per_step = _host_costs(group, rates)
@@ -235,26 +267,7 @@ class Explanation:
     def to_json(self) -> str:
         """Everything, as JSON (dtypes as names, steps as ``[op, group]``)."""
 
-        def plain(x):
-            if isinstance(x, Step):
-                return [x.op, x.group]
-            if isinstance(x, torch.dtype):
-                return str(x).removeprefix("torch.")
-            if isinstance(x, Plan):
-                return json.loads(x.to_json())
-            if dataclasses.is_dataclass(x):
-                return {f.name: plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
-            if isinstance(x, Mapping):
-                return {plain(k) if not isinstance(k, str) else k: plain(v) for k, v in x.items()}
-            if isinstance(x, (tuple, list)):
-                return [plain(v) for v in x]
-            return x
-
-        d = plain(self)
-        d["hardware"]["flops_per_s"] = {
-            str(k).removeprefix("torch."): v for k, v in self.hardware.flops_per_s.items()
-        }
-        return json.dumps(d, indent=1)
+        return json.dumps(_plain(self), indent=1)
 
     def __str__(self) -> str:
         return _table(self)
@@ -357,6 +370,24 @@ def explain(
                 optim_step(optimizer, fake, grads, state)
         ledger.finish()
     return ledger.explanation(scheduled, params, local_shapes, state, hardware, mesh)
+
+
+def _plain(x: Any) -> Any:
+    """``x`` as JSON-ready data: dataclasses as dicts, dtypes by name, steps as ``[op, group]``,
+    plans as their JSON."""
+    if isinstance(x, Step):
+        return [x.op, x.group]
+    if isinstance(x, torch.dtype):
+        return str(x).removeprefix("torch.")
+    if isinstance(x, Plan):
+        return json.loads(x.to_json())
+    if dataclasses.is_dataclass(x):
+        return {f.name: _plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
+    if isinstance(x, Mapping):
+        return {_plain(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return [_plain(v) for v in x]
+    return x
 
 
 def _sum_of_floats(out: Any, *args: Any) -> torch.Tensor:
@@ -927,10 +958,14 @@ def _collectives(issued: list[_Issued], mesh) -> tuple[Collective, ...]:
 
 
 # ---- measuring the machine -----------------------------------------------------------------
-def _matmul(dtype: torch.dtype, device: str) -> tuple[Callable[[], Any], float]:
-    n = 512 if device == "cpu" else 4096
-    a = torch.randn(n, n, device=device).to(dtype)
-    return (lambda: a @ a), 2 * n**3
+def _matmul_curve(dtype: torch.dtype, device: str) -> tuple[tuple[float, float], ...]:
+    """``(flops, rate)`` of square matmuls of growing size in ``dtype``."""
+    sizes = (64, 128, 256, 512) if device == "cpu" else (512, 1024, 2048, 4096)
+    points = []
+    for n in sizes:
+        a = torch.randn(n, n, device=device).to(dtype)
+        points.append((2.0 * n**3, 2.0 * n**3 / _seconds(lambda a=a: a @ a, 7)))
+    return tuple(points)
 
 
 def _host_costs(group: dist.ProcessGroup, rates: Hardware) -> tuple[float, float]:
@@ -1001,11 +1036,6 @@ class _Counting(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.operators += 1
         return func(*args, **(kwargs or {}))
-
-
-def _rate(work: tuple[Callable[[], Any], float]) -> float:
-    fn, flops = work
-    return flops / _seconds(fn)
 
 
 def _seconds(fn: Callable[[], Any], repeat: int = 5) -> float:
