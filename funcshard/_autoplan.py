@@ -15,10 +15,11 @@ the values the earlier stages chose:
 3. forward x backward prefetch depth (0, 1, 2 each) for the best of stage 2.
 
 The objective is explain's ``predicted_step_s`` among plans whose ``peak_bytes`` is within the
-budget (ties: the smaller peak). Plans the scheduler refuses (a merged group cannot recompute:
-its members are not one module) are skipped. When nothing fits, the smallest-memory plan there is
--- the finest grouping, everything recomputed, no prefetch -- is explained too, so the error can
-name the smallest budget that fits.
+budget; among plans predicted within 3% of the fastest, the one with the fewest plan steps (see
+[Note: plans the model cannot tell apart]). Plans the scheduler refuses (a merged group cannot
+recompute: its members are not one module) are skipped. When nothing fits, the smallest-memory
+plan there is -- the finest grouping, everything recomputed, no prefetch -- is explained too, so
+the error can name the smallest budget that fits.
 
 [Note: one plan on every rank]
 Each rank's explanation is its own (uneven shards, measured rates), so ranks could choose
@@ -319,8 +320,14 @@ class _Search:
         return t
 
     def best(self) -> Tried | None:
+        """The fitting plan predicted fastest; among those within ``RESOLUTION`` of it, the one
+        with the fewest plan steps (see [Note: plans the model cannot tell apart])."""
         fitting = [t for t in self.tried if t.fits]
-        return min(fitting, key=lambda t: (t.predicted_step_s, t.peak_bytes), default=None)
+        if not fitting:
+            return None
+        fastest = min(t.predicted_step_s for t in fitting)
+        close = [t for t in fitting if t.predicted_step_s <= fastest * (1 + RESOLUTION)]
+        return min(close, key=lambda t: (_steps(t.plan), t.predicted_step_s, t.peak_bytes))
 
     def nothing_fits(self) -> str:
         if not self.tried:  # every candidate failed: the first failure, as explain raised it
@@ -334,6 +341,19 @@ class _Search:
             f"memory_budget >= {low.peak_bytes}, or need less: a smaller batch, a low-precision "
             "param_dtype, a larger mesh, or an optimizer with less state."
         )
+
+
+# [Note: plans the model cannot tell apart]
+# Explain's times are a model: its error is similar across plans of one model, but not zero,
+# and measuring the rates moves them a little from run to run. Plans predicted within a few
+# percent of the fastest are not told apart by it; of those, autoplan takes the one with the
+# fewest plan steps -- fewer groups, gathers and frees: the least host work, which is the part
+# of a step the model knows least, and the simplest plan to read.
+RESOLUTION = 0.03
+
+
+def _steps(p: Plan) -> int:
+    return len(p.forward) + len(p.backward)
 
 
 def _key(t: Tried | None) -> tuple[int, float, int]:

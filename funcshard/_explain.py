@@ -128,7 +128,9 @@ class Hardware:
     per operator; ``link_bytes_per_s`` / ``latency_s``: of one collective, per rank;
     ``cache_bytes`` / ``cache_bytes_per_s``: an operator that touches at most ``cache_bytes``
     moves them at this rate instead (``0``: no cache tier); ``step_overhead_s``: the
-    scheduler's host time per plan step it executes (see [Note: the host's cost])."""
+    scheduler's host time per plan step it executes (see [Note: the host's cost]);
+    ``overlap``: the share of a collective's time that can pass under compute (``1``: NCCL on
+    its own engines; see [Note: collectives on the cores that compute])."""
 
     flops_per_s: Mapping[torch.dtype, float]
     memory_bytes_per_s: float
@@ -139,6 +141,7 @@ class Hardware:
     cache_bytes: int = 0
     cache_bytes_per_s: float = 0.0
     step_overhead_s: float = 0.0
+    overlap: float = 1.0
     flops_curve: Mapping[torch.dtype, tuple[tuple[float, float], ...]] = dataclasses.field(
         default_factory=dict
     )
@@ -219,6 +222,7 @@ class Hardware:
             f"measured ({device})",
             4 << 20,
             cached,
+            overlap=_CPU_OVERLAP if device == "cpu" else 1.0,
             flops_curve=curve,
         )
         if group is not None and dist.get_world_size(group) > 1:
@@ -773,6 +777,7 @@ class _Ledger(TorchDispatchMode):
         spent = self.hw.latency_s + wire / self.hw.link_bytes_per_s
         self.comm_clock = start + spent
         self.comm_total += spent
+        self.compute_clock += (1.0 - self.hw.overlap) * spent  # see Hardware.overlap
         issued = _Issued(
             kind,
             label,
@@ -966,6 +971,16 @@ def _matmul_curve(dtype: torch.dtype, device: str) -> tuple[tuple[float, float],
         a = torch.randn(n, n, device=device).to(dtype)
         points.append((2.0 * n**3, 2.0 * n**3 / _seconds(lambda a=a: a @ a, 7)))
     return tuple(points)
+
+
+# [Note: collectives on the cores that compute]
+# A GPU's collectives run on engines of their own, beside the kernels: all of a prefetched
+# gather can hide under compute. A CPU rank's gloo transfers run on worker threads that share
+# the cores the ranks compute on, so only part of them does. On this project's 2-core machine
+# (BENCHMARKS.md section 15), counting none of it hidden made the step times closest and
+# counting all of it ranked plans worst (prefetch looked free); half is what measured CPU rates
+# assume. Pass ``Hardware(..., overlap=...)`` for a host with cores to spare.
+_CPU_OVERLAP = 0.5
 
 
 def _host_costs(group: dist.ProcessGroup, rates: Hardware) -> tuple[float, float]:
