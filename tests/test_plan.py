@@ -153,7 +153,7 @@ def test_empty_groups_are_dropped():
 
 
 def test_low_precision_keeps_batchnorm_in_its_own_float32_group():
-    """FSDP1's rule (seed 000): with a low param_dtype, each BatchNorm module is a group in
+    """FSDP1's rule: with a low param_dtype, each BatchNorm module is a group in
     float32, with a warning; the dtypes are part of the plan (printed, JSON)."""
     with pytest.warns(UserWarning, match=r"BatchNorm modules \['bn'\].*float32"):
         p = _plan(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
