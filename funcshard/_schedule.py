@@ -473,9 +473,9 @@ class _Group:
         shards = {storage_key(t) for t in self.locals} if self.lowered.aliases else ()
         seen = {}
         for t in self.raw:
-            s = t.untyped_storage()
-            if storage_key(t) not in shards:
-                seen.setdefault(storage_key(t), (s, s.nbytes()))
+            s, key = t.untyped_storage(), storage_key(t)
+            if key not in shards:
+                seen.setdefault(key, (s, s.nbytes()))
         return list(seen.values())
 
     @property
@@ -542,7 +542,7 @@ class _Run:
         self.forward = _program.Cursor(static.program.forward)
         self.backward = _program.Cursor(static.program.backward)
         self.in_forward = True
-        self.owner: dict[int, str] = {}  # storage data_ptr -> group, while unsharded
+        self.owner: dict[int, str] = {}  # storage key -> group, while unsharded
         self.range = None
         self.holding: set[str] = set()  # groups the operation being resolved uses
         self.held_frees: list[tuple[_Group, bool]] = []  # (group, keep a slice)
