@@ -35,14 +35,15 @@ from __future__ import annotations
 import builtins
 import collections
 import contextlib
+import functools
 import hashlib
 import pickle
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
-from . import _liveness, _parallel, _store
+from . import _liveness, _parallel, _store, _updates
 from ._compile import untraced
 from ._spec import ShardSpec
 from ._updates import by_rank, differences, taken
@@ -216,3 +217,31 @@ def _message(fn: str, everyone: list[list[tuple[str, str]]]) -> str:
         "the model and its shards the same way on every rank (same seed or checkpoint, no "
         "rank-dependent configuration)."
     )
+
+
+def recorded(fn: Callable, update: Callable) -> Callable:
+    """``fn`` (``update`` or its donated form), leaving a record of ``update``'s transformation
+    when called at the top level (not from another transformation's update) on sharded
+    gradients; an error raised inside is announced to the other ranks (see
+    [Note: the optimizer rides the next check] in ``_updates``)."""
+
+    @functools.wraps(fn)
+    def run(grads, state, params=None):
+        if not _updates.recorded_here(grads):
+            return fn(grads, state, params)
+        with failing("fs.optim update"), _updates.recording(update, state):
+            return fn(grads, state, params)
+
+    run.funcshard_update = update  # type: ignore[attr-defined]  # what describe shows
+    return run
+
+
+def before_collective(what: str) -> None:
+    """Right before an optimizer's collective: if this rank holds records, check them with the
+    other ranks now (see [Note: the optimizer rides the next check] in ``_updates``).
+
+    Raises:
+        ValueError: on every rank, when the ranks' records differ.
+    """
+    if _updates.pending():
+        agree(f"fs.optim ({what})", (), (("optimizer collective", what),))

@@ -32,9 +32,8 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from ._collectives import refuse_jacfwd
 from ._compat import compiling
-from ._mode import transformed
+from ._mode import refuse_jacfwd, transformed
 
 _aten = torch.ops.aten
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import enum
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -45,6 +46,36 @@ def transformed() -> bool:
     """A ``torch.func`` transform (``grad``, ``vmap``, ``jvp``, ...) is active here: its
     interpreter stack is not empty."""
     return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def refuse_jacfwd(label: str, world: int) -> None:
+    """Raise if a collective's ``jvp`` runs under ``torch.func.jacfwd`` (or ``hessian``).
+
+    [Note: jacfwd through a collective]
+    ``jacfwd`` is ``vmap(jvp)`` over the standard basis of its inputs, built *per rank*: with
+    sharded inputs every rank pushes basis vector ``i`` of its own shard at the same time, so the
+    all-gathered tangent has a one on every rank and each "column" sums several ranks' columns
+    (with uneven shards the ranks' batch sizes even differ and the collective fails). No rule
+    of the collective can tell this from a legitimate ``vmap(jvp)`` over sharded tangents, so the
+    caller is recognised by its frame: ``push_jvp`` inside ``torch/_functorch/eager_transforms``.
+    ``tests/test_reliability.py`` checks that jacfwd is refused, so that a torch upgrade that
+    renames it fails there rather than in someone's Jacobian.
+    """
+    if world == 1:
+        return
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "push_jvp" and code.co_filename.endswith("eager_transforms.py"):
+            raise ValueError(
+                f"torch.func.jacfwd (or hessian) through funcshard's collectives ({label}) is "
+                "not supported: every rank would push basis vectors of its own shard at once, "
+                "mixing the ranks' columns. Use torch.func.jacrev, or gather first (full = "
+                "fs.unshard(sharded) outside the transform), take jacfwd with respect to the full "
+                "tensors, and fs.reduce the result if you need it sharded. jacfwd with respect "
+                "to inputs (not parameters) is fine."
+            )
+        frame = frame.f_back
 
 
 def capturing() -> bool:

@@ -31,6 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from . import _dtensor
+
 _DP_DIMS: dict[DeviceMesh, tuple[tuple[int, ...], bool, tuple[int, ...]]] = {}
 # data-parallel sub-meshes of 2-D layouts: their other dims are model parallel, so a plain
 # parameter sharded on one of them is replicated over those (see [Note: meshes funcshard can
@@ -284,8 +286,6 @@ def sub_mesh_problem(mesh: DeviceMesh) -> str | None:
 def wrap(fulls: list[torch.Tensor], specs) -> list[torch.Tensor]:
     """Gathered TP-local tensors -> DTensors on their TP meshes (differentiably, also inside
     ``torch.func``); tensors of 1-D layouts are returned as they are."""
-    from . import _dtensor
-
     where = [i for i, s in enumerate(specs) if s.dp_dims is not None]
     if not where:
         return fulls

@@ -32,6 +32,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ._grouping import Policy, any_of, by_type, group
+from ._plan_meshes import meshes_of
+from ._record import record_order
 
 OPS = ("all_gather", "wait", "forward", "free", "reshard", "backward", "reduce_scatter")
 
@@ -148,8 +150,6 @@ class Plan:
             ValueError: a parameter of the groups is missing from ``sharded``.
             TypeError: one is not a shard.
         """
-        from ._plan_meshes import meshes_of
-
         found = meshes_of(self.groups, sharded)
         return self.replace(
             groups=tuple(dataclasses.replace(g, meshes=found[g.name]) for g in self.groups)
@@ -304,8 +304,6 @@ def plan(
         )
     if order is None:
         if recorded:
-            from ._record import record_order
-
             order = record_order(
                 module, groups, example_args, example_kwargs, sharded=sharded, buffers=buffers
             )

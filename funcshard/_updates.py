@@ -40,12 +40,13 @@ tensors, and a graph cannot read the host). Counts kept on the device are not re
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import functools
 import hashlib
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import optree
@@ -65,43 +66,28 @@ _DESCRIBED: dict[int, tuple[Callable, str]] = {}  # id(update) -> (update, its d
 _ENTRY = "<optimizer update"  # the prefix of the described entries (see taken)
 
 
-def recorded(fn: Callable, update: Callable) -> Callable:
-    """``fn`` (``update`` or its donated form), leaving a record of ``update``'s transformation
-    when called at the top level (not from another transformation's update) on sharded
-    gradients; an error raised inside is announced to the other ranks (see
-    [Note: the optimizer rides the next check])."""
-
-    @functools.wraps(fn)
-    def run(grads, state, params=None):
-        # a captured step checks once, at its capture (see [Note: capture is a mode])
-        if compiling() or capturing() or _INSIDE.get() or not _shared(grads):
-            return fn(grads, state, params)
-        from ._consensus import failing  # here: _consensus imports this module
-
-        token = _INSIDE.set(True)
-        try:
-            with failing("fs.optim update"):
-                _record(f"{describe(update)} at step {_steps(state)}")
-                return fn(grads, state, params)
-        finally:
-            _INSIDE.reset(token)
-
-    run.funcshard_update = update  # type: ignore[attr-defined]  # what describe shows
-    return run
+def recorded_here(grads: Any) -> bool:
+    """Whether an update on ``grads`` called here leaves a record: a top-level one (not from
+    another transformation's update) of a multi-rank run on sharded gradients, neither compiled
+    nor captured (a captured step checks once, at its capture: see [Note: capture is a mode])."""
+    return not (compiling() or capturing() or _INSIDE.get()) and _shared(grads)
 
 
-def before_collective(what: str) -> None:
-    """Right before an optimizer's collective: if this rank holds records, check them with the
-    other ranks now (see [Note: the optimizer rides the next check]).
+@contextlib.contextmanager
+def recording(update: Callable, state: Any) -> Iterator[None]:
+    """Leave the record of ``update`` at ``state``'s step counts; the body is its update, inside
+    which nested transformations' updates leave none."""
+    token = _INSIDE.set(True)
+    try:
+        _record(f"{describe(update)} at step {_steps(state)}")
+        yield
+    finally:
+        _INSIDE.reset(token)
 
-    Raises:
-        ValueError: on every rank, when the ranks' records differ.
-    """
-    if not _PENDING or compiling() or capturing():
-        return
-    from ._consensus import agree
 
-    agree(f"fs.optim ({what})", (), (("optimizer collective", what),))
+def pending() -> bool:
+    """Whether this rank holds records not checked yet (never while compiled or captured)."""
+    return bool(_PENDING) and not compiling() and not capturing()
 
 
 def taken() -> tuple[str, list[tuple[str, str]]]:

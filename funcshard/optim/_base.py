@@ -22,10 +22,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .._compile import compiling, traced
+from .._consensus import recorded
 from .._dtensor import _local as _local_shard
 from .._dtensor import placed_like
 from .._tree import PyTree, flatten, flatten_like, unflatten
-from .._updates import recorded
 
 InitFn = Callable[[PyTree], Any]
 UpdateFn = Callable[..., tuple[PyTree, Any]]

@@ -22,9 +22,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from .. import _liveness
 from .._compat import compiling
+from .._consensus import before_collective
 from .._parallel import sub_mesh_problem
 from .._tree import PyTree, flatten, unflatten
-from .._updates import before_collective
 from ._base import GradientTransformation, local, wrap
 
 

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .. import _liveness
+from .._consensus import before_collective
 from .._tree import PyTree, flatten, unflatten
-from .._updates import before_collective
 from ._base import GradientTransformation, local
 
 
