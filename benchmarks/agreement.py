@@ -1,11 +1,13 @@
-"""The per-call agreement of the ranks (``funcshard/_consensus.py``): its cost per call.
+"""The per-call agreement of the ranks (``funcshard/_communication/_consensus.py``): its cost
+per call.
 
 Run: ``python -m benchmarks.agreement`` (2 gloo ranks on this machine). Prints, per rank, the
 median time of ``_consensus.agree`` for a structure seen before (the status exchange through
 the store: what every ``unshard`` / ``reduce`` / scheduled ``apply`` pays once per call), and
 of a whole ``fs.unshard`` of a small tree (one all-gather) with and without it, and in debug
 mode (``fs.checking_collectives``: one more exchange per collective). Then the agreement on the
-step (``funcshard/_updates.py``): the record an optimizer update leaves, alone, and a whole
+step (``funcshard/_communication/_updates.py``): the record an optimizer update leaves, alone,
+and a whole
 training step (a scheduled ``value_and_grad`` and ``fs.optim.step``) with ``adamw`` (whose
 records ride the next call's status) and with ``chain(clip_by_global_norm, adamw)`` (which
 checks them before its all-reduce: one more exchange per step), each with the records on and
@@ -26,7 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import funcshard as fs
-from funcshard import _consensus, _updates
+from funcshard._communication import _consensus, _updates
 
 
 def _median_us(fn, n: int) -> float:

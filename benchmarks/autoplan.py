@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import funcshard as fs
-from funcshard._profiling import peak_bytes
+from funcshard._runtime._profiling import peak_bytes
 
 from .harness import alternate
 from .workloads import LM, Block, MLPBlock

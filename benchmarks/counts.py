@@ -1,4 +1,4 @@
-"""The counts of ``grad_reduce`` (``funcshard/_counts.py``): what they add per call.
+"""The counts of ``grad_reduce`` (``funcshard/_communication/_counts.py``): what they add per call.
 
 Run: ``python -m benchmarks.counts`` (2 gloo ranks on this machine). Per rank, medians of ``n``
 calls after a barrier of one training step's ``fs.value_and_grad`` through ``fs.unshard`` of 8 x
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import funcshard as fs
-from funcshard import _counts
+from funcshard._communication import _counts
 
 
 def _median_us(fn, n: int, barrier: bool = True) -> float:

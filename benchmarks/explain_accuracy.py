@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
 import funcshard as fs
-from funcshard._profiling import peak_bytes
+from funcshard._runtime._profiling import peak_bytes
 
 from . import harness
 from .workloads import LlamaBlock, MLPBlock, meta_llama

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 import funcshard as fs
-from funcshard._explain_cli import step_explainer
-from funcshard._explain_scale import largest_batch, parse_bytes
-from funcshard._fake_world import fake_world
+from funcshard._pricing._explain_cli import step_explainer
+from funcshard._pricing._explain_scale import largest_batch, parse_bytes
+from funcshard._pricing._fake_world import fake_world
 
 from .workloads import LLAMA_SHAPES, LlamaBlock, count, meta_llama
 

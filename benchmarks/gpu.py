@@ -384,7 +384,7 @@ def optimizer_cost(w: Workload, mesh, device: torch.device, args) -> dict[str, f
     on the sharded tree, each fused and capturable (on CPU, fused only). A variant that fails
     keeps its error."""
     import funcshard as fs
-    from funcshard._dtensor import placed_like
+    from funcshard._trees._dtensor import placed_like
 
     model = w.build()
     params, _ = fs.extract(model)

@@ -17,7 +17,7 @@ import time
 import torch
 
 import funcshard as fs
-from funcshard._cuda_graph import CudaGraphed
+from funcshard._execution._cuda_graph import CudaGraphed
 
 from .fake import fake_world
 

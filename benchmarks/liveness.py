@@ -1,4 +1,5 @@
-"""The heartbeat and the per-rank record (``funcshard/_liveness.py``): their cost per step.
+"""The heartbeat and the per-rank record (``funcshard/_communication/_liveness.py``): their
+cost per step.
 
 Run: ``python -m benchmarks.liveness`` (2 gloo ranks on this machine). A scheduled model of 16
 ``Linear(64, 64)`` groups (many small groups: the record is updated per plan step and per
@@ -23,7 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import funcshard as fs
-from funcshard import _liveness
+from funcshard._communication import _liveness
 
 
 def _off(mode: str):

@@ -13,7 +13,8 @@ are followed event by event:
   returns, and that are still alive then.
 - **unsharded parameters + comm. buffers**: made by the calling thread inside communication
   code: a collective op (``c10d::*``, ``_c10d_functional::*``) or a Python frame of the
-  framework's gathering and reducing code (``funcshard/_flat.py``, ``funcshard/_collectives.py``,
+  framework's gathering and reducing code (``funcshard/_communication/_flat.py``,
+  ``funcshard/_communication/_collectives.py``,
   the scheduler's ``arm`` / ``issue`` / ``wait`` of a group; FSDP2's ``_fsdp_collectives.py``,
   which allocates and copies out its all-gathers and reduce-scatters). Python frames, not
   profiler ranges: with ``with_stack`` the tree does not nest frames under ``record_function``

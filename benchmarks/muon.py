@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 import funcshard as fs
-from funcshard._spec import chunk
+from funcshard._trees._spec import chunk
 from funcshard.optim import _whole
 
 LR, WD, MOMENTUM, NS = 0.02, 0.1, 0.95, ((3.4445, -4.775, 2.0315), 5, 1e-7)

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import funcshard as fs
-from funcshard._profiling import peak_bytes
+from funcshard._runtime._profiling import peak_bytes
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from _data import batch  # synthetic tokens

@@ -1,20 +1,20 @@
 """funcshard: functional ZeRO-3 sharding for PyTorch, as pure transforms over pytrees."""
 
 from . import checkpoint, optim, policy, testing
-from ._autodiff import grad, per_sample_grad, value_and_grad
-from ._autoplan import Autoplanned, Tried, autoplan
-from ._bucketing import merge_groups
-from ._construction import Construction, on_meta
-from ._cuda_graph import cuda_graph
-from ._debug import checking_collectives
-from ._explain import Collective, Explanation, GroupCost, Hardware, Moment, explain
-from ._extract import extract, functional_call
-from ._grouping import group
-from ._materialize import materialize
-from ._plan import Group, Plan, Step, plan
-from ._schedule import schedule
-from ._spec import LocalShard, ShardSpec, from_local, to_local, tree_map
+from ._communication._debug import checking_collectives
+from ._execution._autodiff import grad, per_sample_grad, value_and_grad
+from ._execution._cuda_graph import cuda_graph
+from ._execution._schedule import schedule
+from ._plans._bucketing import merge_groups
+from ._plans._grouping import group
+from ._plans._plan import Group, Plan, Step, plan
+from ._pricing._autoplan import Autoplanned, Tried, autoplan
+from ._pricing._explain import Collective, Explanation, GroupCost, Hardware, Moment, explain
+from ._trees._construction import Construction, on_meta
+from ._trees._extract import extract, functional_call
+from ._trees._spec import LocalShard, ShardSpec, from_local, to_local, tree_map
 from .transforms import reduce, shard, unshard
+from .transforms._materialize import materialize
 
 __all__ = [
     "Autoplanned",

@@ -27,12 +27,12 @@ and (unless ``--no-search``) the largest batch that fits, from a few more explai
 grows linearly with the batch: two runs give the line, one or two confirm it).
 
 Do not ``import funcshard.explain``: it would shadow the function ``funcshard.explain``; the
-command's code is ``funcshard._explain_cli``.
+command's code is ``funcshard._pricing._explain_cli``.
 """
 
 if __name__ == "__main__":
     import sys
 
-    from funcshard._explain_cli import main
+    from funcshard._pricing._explain_cli import main
 
     sys.exit(main(usage=__doc__))

@@ -4,6 +4,6 @@
 ``any_of(*policies)``; all are frozen, comparable data.
 """
 
-from ._grouping import Policy, any_of, by_names, by_predicate, by_size, by_type
+from ._plans._grouping import Policy, any_of, by_names, by_predicate, by_size, by_type
 
 __all__ = ["Policy", "any_of", "by_names", "by_predicate", "by_size", "by_type"]

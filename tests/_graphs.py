@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import funcshard as fs
-from funcshard._cuda_graph import CudaGraphed
+from funcshard._execution._cuda_graph import CudaGraphed
 
 from _mesh import mesh
 from _models import Block, lm_loss, make, tokens

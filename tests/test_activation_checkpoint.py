@@ -214,11 +214,11 @@ def test_checkpointed_training_does_not_leak(world2):
 
 
 def test_private_torch_apis_still_behave():
-    """What funcshard/_activation_checkpoint.py relies on: the innermost saved-tensor hooks of a
-    non-reentrant checkpoint region hold its frame, whose ``recompute_fn`` is what the recompute
-    calls; ``_reparametrize_module`` swaps and restores. Fails on a torch upgrade that changes
-    them."""
-    from funcshard._activation_checkpoint import bind, current_frame, reparametrized
+    """What funcshard/_trees/_activation_checkpoint.py relies on: the innermost saved-tensor hooks
+    of a non-reentrant checkpoint region hold its frame, whose ``recompute_fn`` is what the
+    recompute calls; ``_reparametrize_module`` swaps and restores. Fails on a torch upgrade that
+    changes them."""
+    from funcshard._trees._activation_checkpoint import bind, current_frame, reparametrized
 
     seen, calls = [], []
 

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import funcshard as fs
-from funcshard._profiling import peak_bytes
+from funcshard._runtime._profiling import peak_bytes
 
 from _checks import raises
 from _mesh import mesh

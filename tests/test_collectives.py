@@ -11,7 +11,7 @@ from _mesh import mesh
 def gloo_clones_reduce_scatter_input():
     """[Note: gloo copies reduce-scatter inputs]: overwrite the input right after issuing an
     asynchronous reduce-scatter; the result must not change."""
-    from funcshard._collectives import copies_reduce_scatter_input
+    from funcshard._communication._collectives import copies_reduce_scatter_input
 
     group = mesh(dist.get_world_size()).get_group(0)
     world = dist.get_world_size()

@@ -285,7 +285,7 @@ def _flat_numel(plan, sharded) -> dict[int, str]:
 
 
 # views and copies of a gathered buffer (auto_functionalized_v2: funcshard::copy_out, a group's
-# full tensors copied into a buffer of the graph, see funcshard._opaque)
+# full tensors copied into a buffer of the graph, see funcshard._communication._opaque)
 _VIEWS = {"view", "_unsafe_view", "t", "permute", "slice", "split_with_sizes", "getitem",
           "clone", "reshape", "alias", "expand", "detach", "transpose", "as_strided",
           "auto_functionalized_v2"}  # fmt: skip
@@ -542,7 +542,7 @@ def test_inductor_with_clipping(world2):
 
 def inductor_scheduled():
     """A scheduled value_and_grad compiled by inductor, over two identical blocks (one
-    subgraph, called twice: see funcshard/_regions.py): eager's values and gradients."""
+    subgraph, called twice: see funcshard/_execution/_regions.py): eager's values and gradients."""
     _scheduled_graph((3, 3), backend="inductor")
 
 
@@ -624,7 +624,7 @@ def test_a_transform_created_inside_is_refused_with_our_message_first(world2):
             ), firsts
 
 
-# ---- identical groups compiled once (funcshard/_regions.py) ----------------------------------
+# ---- identical groups compiled once (funcshard/_execution/_regions.py) ------------------------
 
 
 def _mm_ops(graph) -> list[str]:
@@ -709,10 +709,10 @@ def test_random_groups_are_not_regions(world2, block, regions):
 
 
 def test_private_torch_apis_of_regions():
-    """What funcshard/_regions.py relies on (torch's invoke_subgraph and its joint tracing, the
-    min-cut partitioner): a region's joint graph, partitioned, gives the forward's values and
-    the gradients of eager. Fails on a torch upgrade that changes them."""
-    from funcshard._regions import _partition
+    """What funcshard/_execution/_regions.py relies on (torch's invoke_subgraph and its joint
+    tracing, the min-cut partitioner): a region's joint graph, partitioned, gives the forward's
+    values and the gradients of eager. Fails on a torch upgrade that changes them."""
+    from funcshard._execution._regions import _partition
 
     block = Block(4, 3)
     x = torch.randn(2, 4, requires_grad=True)
@@ -746,11 +746,11 @@ def test_private_torch_apis_of_regions():
 
 
 def test_private_torch_apis_of_compat():
-    """What funcshard/_compat.py's ``compiling()`` relies on (on torch 2.11 and 2.12: the
+    """What funcshard/_runtime/_compat.py's ``compiling()`` relies on (on torch 2.11 and 2.12: the
     TracingContext Dynamo installs while it compiles): true in a nonstrict_trace function while
     Dynamo and AOTAutograd trace it and in the backward AOTAutograd traces, false eagerly and
     while the compiled graph runs. Fails on a torch upgrade that changes it."""
-    from funcshard._compat import compiling
+    from funcshard._runtime._compat import compiling
 
     seen = []
 
@@ -785,13 +785,13 @@ def test_private_torch_apis_of_compat():
 
 
 def test_private_torch_api_of_storage_key():
-    """What funcshard/_compat.py's ``storage_key`` relies on (``UntypedStorage._cdata``): one
-    key for a tensor and its views, another for another tensor, distinct for fake tensors
+    """What funcshard/_runtime/_compat.py's ``storage_key`` relies on (``UntypedStorage._cdata``):
+    one key for a tensor and its views, another for another tensor, distinct for fake tensors
     (whose data pointers are all 0), and stable while a storage is emptied and refilled. Fails
     on a torch upgrade that changes it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from funcshard._compat import storage_key
+    from funcshard._runtime._compat import storage_key
 
     a, b = torch.zeros(4), torch.zeros(4)
     assert storage_key(a) == storage_key(a.view(2, 2)) == storage_key(a.untyped_storage())

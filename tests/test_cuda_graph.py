@@ -11,9 +11,9 @@ import torch
 from _graphs import same, train
 
 import funcshard as fs
-from funcshard import _mode
-from funcshard._cuda_graph import CudaGraphed, _refuse_host_tensors, _Rerun
-from funcshard._mode import Mode
+from funcshard._execution._cuda_graph import CudaGraphed, _refuse_host_tensors, _Rerun
+from funcshard._runtime import _mode
+from funcshard._runtime._mode import Mode
 
 
 def test_capture_is_a_mode_with_its_own_rules():

@@ -12,7 +12,7 @@ from pathlib import Path
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from funcshard._compat import HAS_2_13
+from funcshard._runtime._compat import HAS_2_13
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "fsdp2.md"
 

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Shard
 
 import funcshard as fs
-from funcshard import _consensus
+from funcshard._communication import _consensus
 
 from _checks import raises
 from _mesh import mesh

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import funcshard as fs
-from funcshard import _counts
+from funcshard._communication import _counts
 
 from _mesh import mesh
 

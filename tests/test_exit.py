@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import funcshard as fs
-from funcshard import _collectives, policy
+from funcshard import policy
+from funcshard._communication import _collectives
 
 from _mesh import mesh
 

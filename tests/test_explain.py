@@ -27,7 +27,7 @@ def explained_and_measured(options: dict) -> dict:
 
     import funcshard as fs
     from benchmarks import explain_accuracy as ea
-    from funcshard._profiling import peak_bytes
+    from funcshard._runtime._profiling import peak_bytes
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     s = ea.setup(ea.mlp_case(blocks=3, width=128, rows=128, **options), mesh)
@@ -39,7 +39,8 @@ def explained_and_measured(options: dict) -> dict:
     for _ in range(2):  # warm-up: the first creates nothing more (the state is made), but
         s.step()  # allocator behaviour settles
     # A gather still in flight when the peak comes adds gloo's flat output buffer, depending
-    # on timing (see [Note: gloo's buffers] in funcshard/_explain.py): the least of 3 steps.
+    # on timing (see [Note: gloo's buffers] in funcshard/_pricing/_explain.py): the least of 3
+    # steps.
     measured = min(peak_bytes(s.step, this_thread=True)[0] for _ in range(3))
     return {
         "predicted": e.peak_bytes,
@@ -74,7 +75,7 @@ def test_private_torch_api_of_explain():
 
 
 def test_explain_counters_known_are_the_first_step():
-    from funcshard import _explain
+    from funcshard._pricing import _explain
 
     mode = torch._subclasses.fake_tensor.FakeTensorMode()
     state = {"count": torch.tensor(3.0), "moment": torch.ones(2)}

@@ -18,9 +18,9 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 import funcshard as fs
-from funcshard._compat import all_gather_single
-from funcshard._explain_scale import largest_batch, parse_bytes
-from funcshard._fake_world import fake_world
+from funcshard._pricing._explain_scale import largest_batch, parse_bytes
+from funcshard._pricing._fake_world import fake_world
+from funcshard._runtime._compat import all_gather_single
 
 VOCAB, WIDTH, BLOCKS = 256, 64, 3
 

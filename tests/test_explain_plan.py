@@ -42,7 +42,7 @@ class Net(nn.Module):
 
 def _explained(world: int, **plan_options) -> tuple[fs.Explanation, dict, fs.Plan]:
     """Net on the meta device, sharded over a fake world of ``world`` ranks, explained."""
-    from funcshard._fake_world import fake_world
+    from funcshard._pricing._fake_world import fake_world
 
     dtypes = {k: plan_options.pop(k) for k in ("param_dtype", "reduce_dtype") if k in plan_options}
     with fake_world(world) as mesh:

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.func import functional_call, grad, jacfwd, jacrev, jvp, vjp, vmap
 
 import funcshard as fs
-from funcshard._dtensor import unwrap
+from funcshard._trees._dtensor import unwrap
 
 from _mesh import mesh
 
@@ -227,8 +227,8 @@ def test_functorch_wraps_dtensors(world2):
 def built_like_from_local():
     """See [Note: DTensors built from their spec]: the DTensor funcshard builds from a spec is
     the one DTensor.from_local builds (uneven shards, Shard(1), a 0-d Replicate)."""
-    from funcshard._dtensor import _as_dtensor
-    from funcshard._spec import ShardSpec
+    from funcshard._trees._dtensor import _as_dtensor
+    from funcshard._trees._spec import ShardSpec
 
     m = mesh(dist.get_world_size())
     tree = fs.shard({"a": torch.randn(5, 3), "b": torch.randn(3, 5), "c": torch.tensor(2.0)}, m,

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import funcshard as fs
-from funcshard import _liveness
+from funcshard._communication import _liveness
 from funcshard.testing import _pool
 
 from _mesh import mesh

@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 import funcshard as fs
-from funcshard._profiling import peak_bytes
+from funcshard._runtime._profiling import peak_bytes
 
 from _checks import raises
 from _mesh import mesh

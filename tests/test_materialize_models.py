@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 import funcshard as fs
-from funcshard._construction import recorded
-from funcshard._profiling import peak_bytes
+from funcshard._runtime._profiling import peak_bytes
+from funcshard._trees._construction import recorded
 
 from _mesh import mesh
 from _models import ResNet, resnet_init

@@ -11,7 +11,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import funcshard as fs
-from funcshard._compat import HAS_2_13
+from funcshard._runtime._compat import HAS_2_13
 
 from _mesh import mesh
 from _tp import (

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import funcshard as fs
-from funcshard._tree import flatten
+from funcshard._trees._tree import flatten
 
 from _checks import raises
 from _mesh import mesh

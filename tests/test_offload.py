@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import funcshard as fs
-from funcshard._tree import flatten
+from funcshard._trees._tree import flatten
 
 from _mesh import mesh
 

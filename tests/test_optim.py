@@ -18,8 +18,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.debug import CommDebugMode
 
 import funcshard as fs
-from funcshard._profiling import peak_bytes
-from funcshard._tree import flatten
+from funcshard._runtime._profiling import peak_bytes
+from funcshard._trees._tree import flatten
 
 from _checks import raises
 from _comm import counts

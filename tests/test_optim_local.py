@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import funcshard as fs
-from funcshard import _mode
+from funcshard._runtime import _mode
 
 optim = fs.optim
 

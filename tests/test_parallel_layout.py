@@ -10,8 +10,8 @@ import pytest
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-from funcshard._parallel import check_composable, storage_placements
-from funcshard._spec import ShardSpec
+from funcshard._trees._parallel import check_composable, storage_placements
+from funcshard._trees._spec import ShardSpec
 
 
 class _Grid:

@@ -1,5 +1,5 @@
-"""The plan lowered into what the executor runs (``funcshard/_program.py``), checked by hand
-against a printed plan, and the group state machine of the executor."""
+"""The plan lowered into what the executor runs (``funcshard/_execution/_program.py``), checked
+by hand against a printed plan, and the group state machine of the executor."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import funcshard as fs
-from funcshard._mode import Mode
-from funcshard._program import Cursor, lower
+from funcshard._execution._program import Cursor, lower
+from funcshard._runtime._mode import Mode
 
 
 def _plan(**kw) -> fs.Plan:
@@ -97,7 +97,7 @@ def test_modes_from_torch_state():
 
 def test_group_states_move_only_as_allowed():
     """Every legal move of [Note: a group's states], and a wrong one raising at once."""
-    from funcshard._schedule import State, _Group
+    from funcshard._execution._schedule import State, _Group
 
     group = _Group.__new__(_Group)
     group.name, group.state = "blocks.0", State.SHARDED

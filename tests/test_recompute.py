@@ -19,7 +19,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.func import grad, vmap
 
 import funcshard as fs
-from funcshard._profiling import peak_bytes
+from funcshard._runtime._profiling import peak_bytes
 
 from _comm import counts
 from _mesh import mesh

@@ -16,7 +16,7 @@ from torch import nn
 from torch.func import grad
 
 import funcshard as fs
-from funcshard._compat import HAS_2_13
+from funcshard._runtime._compat import HAS_2_13
 
 from _mesh import mesh
 from _models import lm_loss, make, reference_step, shard_of, tokens
@@ -273,7 +273,7 @@ def test_checkpoint_failures_are_named(failure):
     recompute that matches (torch stops it early) is untouched."""
     from torch.utils.checkpoint import CheckpointError, checkpoint
 
-    from funcshard._activation_checkpoint import current_frame, name_failures
+    from funcshard._trees._activation_checkpoint import current_frame, name_failures
 
     state: list[torch.Tensor] = []
 

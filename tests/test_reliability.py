@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import funcshard as fs
-from funcshard import _collectives
+from funcshard._communication import _collectives
 
 from _comm import Collectives
 from _mesh import mesh

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import funcshard as fs
-from funcshard import _schedule
+from funcshard._execution import _schedule
 
 from _comm import KINDS
 from _mesh import mesh

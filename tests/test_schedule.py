@@ -16,7 +16,7 @@ from torch.func import grad, vmap
 from torch.profiler import ProfilerActivity, profile
 
 import funcshard as fs
-from funcshard._profiling import peak_bytes, span
+from funcshard._runtime._profiling import peak_bytes, span
 
 from _comm import Collectives, counts
 from _mesh import mesh
@@ -469,7 +469,7 @@ def per_structure_cache():
     """The per-structure state of a call (layouts, options, agreement) is reused only for the
     same structure: other dtypes, frozen leaves, plans and meshes get their own, and the cache
     stays bounded."""
-    from funcshard import _schedule
+    from funcshard._execution import _schedule
 
     rank = dist.get_rank()
     model, sharded, buffers, plan = _setup(batchnorm=False)

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 import funcshard as fs
-from funcshard._tree import flatten
+from funcshard._trees._tree import flatten
 
 from _checks import raises
 from _mesh import mesh

@@ -14,8 +14,8 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 import funcshard as fs
-from funcshard import _meta
-from funcshard._deferred import Deferred
+from funcshard._trees import _meta
+from funcshard._trees._deferred import Deferred
 
 from _checks import raises
 from _mesh import mesh

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .. import _liveness
+from .._communication import _liveness
 
 
 def rank_world() -> tuple[int, int]:

@@ -34,8 +34,8 @@ from torch.distributed.tensor._utils import (
     compute_local_shape_and_global_offset,
 )
 
-from .._extract import aliases
-from .._tree import _few
+from .._trees._extract import aliases
+from .._trees._tree import _few
 from ._comm import on_rank, rank_world
 
 _ALIASES_KEY = "funcshard.aliases"

@@ -27,7 +27,7 @@ import optree
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._tree import PyTree
+from .._trees._tree import PyTree
 from ._rng import RNGState
 
 MANIFEST = "funcshard.json"

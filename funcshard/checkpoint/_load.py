@@ -20,8 +20,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.tensor import DTensor
 
-from .. import _liveness
-from .._tree import PyTree, _few, unflatten
+from .._communication import _liveness
+from .._trees._tree import PyTree, _few, unflatten
 from ._comm import distributed, peers_named, rank_world
 from ._integrity import Reader, check_metadata, damaged
 from ._layout import MANIFEST, describe, flatten, rank_key, read_manifest

@@ -28,8 +28,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from .. import _liveness
-from .._tree import PyTree
+from .._communication import _liveness
+from .._trees._tree import PyTree
 from ._comm import all_ok, distributed, on_rank, peers_named, rank_world
 from ._integrity import Writer, save_failed
 from ._layout import committed, flatten, manifest, rank_key, write_manifest

@@ -8,14 +8,7 @@ kernels on the local shards; states are trees of DTensors placed like the parame
 """
 
 from ._adam_sgd import AdamState, SgdState, adam, adamw, add_decayed_weights, sgd
-from ._base import (
-    EmptyState,
-    GradientTransformation,
-    apply_updates,
-    chain,
-    set_grads,
-    step,
-)
+from ._base import EmptyState, GradientTransformation, apply_updates, chain, set_grads, step
 from ._clip import ClipState, clip_by_global_norm, global_norm
 from ._ema import Ema, EmaState, ema
 from ._finite import ApplyIfFiniteState, all_finite, apply_if_finite

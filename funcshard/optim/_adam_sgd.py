@@ -35,9 +35,9 @@ from torch.optim.adam import adam as torch_adam
 from torch.optim.optimizer import _get_capturable_supported_devices, _get_scalar_dtype
 from torch.optim.sgd import sgd as torch_sgd
 
-from .._compile import compiling
-from .._mode import capturing
-from .._tree import PyTree, flatten, map_with_path, unflatten
+from .._runtime._compile import compiling
+from .._runtime._mode import capturing
+from .._trees._tree import PyTree, flatten, map_with_path, unflatten
 from . import _opaque as opaque
 from ._base import EmptyState, GradientTransformation, check_like, leaves_like, local, wrap
 from ._masked import Mask, resolve

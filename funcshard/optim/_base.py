@@ -21,11 +21,11 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._compile import compiling, traced
-from .._consensus import recorded
-from .._dtensor import _local as _local_shard
-from .._dtensor import placed_like
-from .._tree import PyTree, flatten, flatten_like, unflatten
+from .._communication._consensus import recorded
+from .._runtime._compile import compiling, traced
+from .._trees._dtensor import _local as _local_shard
+from .._trees._dtensor import placed_like
+from .._trees._tree import PyTree, flatten, flatten_like, unflatten
 
 InitFn = Callable[[PyTree], Any]
 UpdateFn = Callable[..., tuple[PyTree, Any]]

@@ -20,11 +20,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .. import _liveness
-from .._compat import compiling
-from .._consensus import before_collective
-from .._parallel import sub_mesh_problem
-from .._tree import PyTree, flatten, unflatten
+from .._communication import _liveness
+from .._communication._consensus import before_collective
+from .._runtime._compat import compiling
+from .._trees._parallel import sub_mesh_problem
+from .._trees._tree import PyTree, flatten, unflatten
 from ._base import GradientTransformation, local, wrap
 
 

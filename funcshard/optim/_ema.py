@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from .._tree import PyTree, flatten, unflatten
+from .._trees._tree import PyTree, flatten, unflatten
 from ._adam_sgd import _check, _check_state
 from ._base import leaves_like, local, wrap
 

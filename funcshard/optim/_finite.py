@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .. import _liveness
-from .._consensus import before_collective
-from .._tree import PyTree, flatten, unflatten
+from .._communication import _liveness
+from .._communication._consensus import before_collective
+from .._trees._tree import PyTree, flatten, unflatten
 from ._base import GradientTransformation, local
 
 

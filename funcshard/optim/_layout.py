@@ -21,8 +21,8 @@ from typing import Any
 
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from .._grad_layout import check_refines, view
-from .._tree import PyTree, flatten, unflatten
+from .._communication._grad_layout import check_refines, view
+from .._trees._tree import PyTree, flatten, unflatten
 from ._base import GradientTransformation, leaves_like, local
 
 StatePlacements = Callable[[str, DTensor], tuple[Placement, ...] | None]

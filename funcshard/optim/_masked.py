@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._tree import PyTree, flatten, unflatten
+from .._trees._tree import PyTree, flatten, unflatten
 from ._base import GradientTransformation, leaves_like
 
 Mask = Callable[[str, torch.Tensor], bool] | PyTree  # a predicate, or a tree of bools

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-from .._spec import ShardSpec
-from .._tree import PyTree, flatten, map_with_path, unflatten
+from .._trees._spec import ShardSpec
+from .._trees._tree import PyTree, flatten, map_with_path, unflatten
 from . import _whole
 from ._adam_sgd import (
     LearningRate,

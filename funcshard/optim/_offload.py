@@ -21,9 +21,9 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._dtensor import _as_dtensor
-from .._spec import ShardSpec
-from .._tree import PyTree, flatten, unflatten
+from .._trees._dtensor import _as_dtensor
+from .._trees._spec import ShardSpec
+from .._trees._tree import PyTree, flatten, unflatten
 from ._base import GradientTransformation, apply_updates, leaves_like, local, wrap
 
 

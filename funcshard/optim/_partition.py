@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._tree import PyTree, flatten, unflatten
+from .._trees._tree import PyTree, flatten, unflatten
 from ._adam_sgd import LearningRate, adamw
 from ._base import GradientTransformation, leaves_like
 from ._masked import Mask, keep

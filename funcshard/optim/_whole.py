@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
-from .._consensus import before_collective
-from .._spec import ShardSpec, _level_shapes, chunk
+from .._communication._consensus import before_collective
+from .._trees._spec import ShardSpec, _level_shapes, chunk
 
 Unit = tuple[int, int | None]  # (leaf index, index in the stacking dim, or None for a 2-D leaf)
 Box = tuple[int, int, int, int]  # (row offset, column offset, rows, columns) in the matrix

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._plan import Plan
-from .._record import record_order
+from .._plans._plan import Plan
+from .._plans._record import record_order
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
-from .._spec import LocalShard
+from .._trees._spec import LocalShard
 
 # (rank, world) while this process is a rank of a pool; see _pool.Pool.run.
 CURRENT: tuple[int, int] | None = None

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .._spec import LocalShard, from_local
-from .._tree import PyTree, flatten, flatten_like, map_with_path, unflatten
+from .._trees._spec import LocalShard, from_local
+from .._trees._tree import PyTree, flatten, flatten_like, map_with_path, unflatten
 
 _MAX_REPORTED = 10
 

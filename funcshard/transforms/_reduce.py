@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from .. import _counts, _flat
-from .._compile import traced
-from .._consensus import failing
-from .._dtensor import dtensors_of, unwrap
-from .._parallel import model_local
-from .._spec import LocalShard, ShardSpec, spec_of
-from .._tree import PyTree, flatten, flatten_like, unflatten
+from .._communication import _counts, _flat
+from .._communication._consensus import failing
+from .._runtime._compile import traced
+from .._trees._dtensor import dtensors_of, unwrap
+from .._trees._parallel import model_local
+from .._trees._spec import LocalShard, ShardSpec, spec_of
+from .._trees._tree import PyTree, flatten, flatten_like, unflatten
 
 
 @traced  # see [Note: funcshard under torch.compile]

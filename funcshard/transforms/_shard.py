@@ -9,8 +9,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from .. import _liveness
-from .._parallel import (
+from .._communication import _liveness
+from .._communication._values import checked
+from .._trees._parallel import (
     check_composable,
     check_model_placements,
     expert_dims,
@@ -20,9 +21,8 @@ from .._parallel import (
     storage_placements,
     sub_mesh_problem,
 )
-from .._spec import ShardSpec, check_mesh, check_storage_placements
-from .._tree import PyTree, map_with_path
-from .._values import checked
+from .._trees._spec import ShardSpec, check_mesh, check_storage_placements
+from .._trees._tree import PyTree, map_with_path
 
 Placements = Placement | Sequence[Placement]
 PlacementFn = Callable[[str, torch.Tensor], "Placements | None"]

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from .. import _consensus, _counts, _flat, _grad_layout, _parallel, _sink
-from .._compile import traced
-from .._spec import as_locals, check_materialized
-from .._tree import PyTree, flatten, unflatten
+from .._communication import _consensus, _counts, _flat, _grad_layout
+from .._runtime import _sink
+from .._runtime._compile import traced
+from .._trees import _parallel
+from .._trees._spec import as_locals, check_materialized
+from .._trees._tree import PyTree, flatten, unflatten
 
 
 @traced  # see [Note: funcshard under torch.compile]

@@ -1,0 +1,683 @@
+"""Bucketed all-gather and reduce-scatter of many shards: one collective per bucket and mesh dim.
+
+Leaves that share a mesh, the kind of placement on each mesh dim (Shard/Replicate) and a dtype
+form a *bucket*. A bucket's local shards are padded to equal chunks, concatenated into one flat
+buffer ("copy-in"), gathered with a single all-gather per sharded mesh dim, and split back
+("copy-out"), as FSDP2's ``foreach_all_gather`` does. Shard dims may differ inside a bucket.
+All of this is plain differentiable tensor code around the Functions of ``_collectives``, so
+autograd and ``torch.func`` derive the reduce-scatter side (and its batching) themselves.
+
+[Note: order of mesh dims]
+A bucket gathers its sharded mesh dims from the last to the first (DTensor splits mesh dim 0
+first). Its replicated mesh dims (HSDP's replicate dim) cost nothing in forward; in backward,
+the gradient is reduce-scattered first and only the small reduced shard is all-reduced over
+them, as FSDP2 does (``AllGather``'s ``replicas``; both orders are the same linear map).
+
+[Note: flat dtype]
+Shards are cast to the all-gather dtype (``param_dtype``) before gathering when gradients are
+reduced in that same dtype, otherwise kept in their own dtype (``AllGather`` then casts). Either
+way the backward reduce-scatter's output dtype equals the pieces', so it can stay pending
+until the wait node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+from torch.distributed.tensor import Shard
+
+from .._runtime._compat import storage_key
+from .._runtime._compile import after_waits, compiling
+from .._runtime._mode import Mode
+from .._trees._spec import ShardSpec
+from . import _collectives as C
+from . import _counts, _opaque, _post_forward
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How one leaf's *logical* local tensor relates to its spec.
+
+    ``lead`` is the number of leading spec dims stripped by ``vmap`` (see [Note: leading dims
+    stripped by vmap] in ``_spec``); ``levels[i]`` is the logical shape after sharding mesh dims
+    ``0..i-1``. ``over``: the size of the parameter's expert-parallel dims, by which the mean
+    also divides (see [Note: expert parallelism] in ``_parallel``).
+    """
+
+    path: str
+    spec: ShardSpec
+    lead: int
+    levels: tuple[tuple[int, ...], ...]
+    over: int = 1
+
+    @staticmethod
+    def of(path: str, spec: ShardSpec, local: torch.Tensor) -> Layout:
+        """The layout of a logical local shard; checks its shape against ``spec``.
+
+        A 2-D layout's (FSDP x TP) is that of what funcshard gathers: ``spec.gathered()``."""
+        gathered = spec.gathered()
+        lead = len(gathered.shape) - local.dim()
+        levels = gathered.level_shapes()
+        if lead < 0 or tuple(local.shape) != levels[-1][lead:]:
+            raise ValueError(
+                f"{path!r}: local tensor has shape {list(local.shape)}, but its spec "
+                f"({gathered.placements} of {list(gathered.shape)}) gives local shape "
+                f"{list(levels[-1])} on this rank. Pass the shards made by fs.shard / "
+                "fs.to_local unchanged (under vmap, map over leading dims only)."
+            )
+        return Layout.stripped(path, spec, lead)
+
+    @staticmethod
+    def stripped(path: str, spec: ShardSpec, lead: int) -> Layout:
+        """The layout of ``spec`` with its first ``lead`` dims mapped over by ``vmap``."""
+        over = math.prod(spec.mesh.size(i) for i in spec.ep_dims)
+        spec = spec.gathered()
+        for p in spec.placements:
+            if isinstance(p, Shard) and p.dim < lead:
+                raise ValueError(
+                    f"{path!r} is sharded along dim {p.dim}, which vmap maps over. Stack ensemble "
+                    "members along dim 0 and shard a later dim (e.g. placements=Shard(1))."
+                )
+        return Layout(path, spec, lead, tuple(s[lead:] for s in spec.level_shapes()), over)
+
+    def dim(self, mesh_dim: int) -> int:
+        return self.spec.placements[mesh_dim].dim - self.lead
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Options of a gather: dtypes, gradient reduction and the profiler label; with
+    ``grad_reduce="weighted"``, the call's ``counts`` (every rank's, from the exchange: see
+    [Note: ranks that average over different counts] in ``_counts``)."""
+
+    label: str
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    grad_reduce: str = "mean"
+    counts: tuple[float | None, ...] | None = None
+
+    def key(self) -> tuple:
+        """What ranks must agree on (see ``_consensus``)."""
+        return (
+            ("param_dtype", self.param_dtype),
+            ("reduce_dtype", self.reduce_dtype),
+            ("grad_reduce", self.grad_reduce),
+        )
+
+    def counted(self, counts: Sequence[float | None]) -> Options:
+        """These options for one call with the ranks' ``counts`` (only ``"weighted"`` uses them)."""
+        if self.grad_reduce != "weighted" or all(c is None for c in counts):
+            return self
+        return dataclasses.replace(self, counts=tuple(counts))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Level:
+    """A gather of one mesh dim: padded (and, under plain autograd, issued), not finished."""
+
+    pieces: list[torch.Tensor]  # padded local pieces, connected to the shards by autograd
+    comm: C.Comm
+    replicas: tuple[C.Comm, ...]  # replicated mesh dims (HSDP), reduced in the backward
+    started: C.Started | None  # the all-gather, issued without autograd
+    dims: list[int]
+    sizes: list[int]  # sizes along dims after the gather
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """One bucket of a lowered gather: its leaves and the collectives that gather them.
+
+    ``comms``: one per sharded mesh dim, in the order they are gathered (see [Note: order of
+    mesh dims]; only the first may be asynchronous); ``replicas``: the replicated mesh dims
+    (HSDP), reduced in the backward; ``local``: every mesh dim has one rank (see [Note: one rank
+    communicates nothing] in ``_collectives``)."""
+
+    index: tuple[int, ...]
+    layouts: tuple[Layout, ...]
+    sharded: tuple[int, ...]  # the sharded mesh dims
+    comms: tuple[C.Comm, ...]
+    replicas: tuple[C.Comm, ...]
+    out_dtype: torch.dtype
+    local: bool
+    post: _post_forward.Post | None = None  # see [Note: reshard to a smaller mesh]
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowered:
+    """A group's gather for one structure of its leaves (layouts, dtypes), lowered once for
+    one execution mode: its buckets and their collectives. See :func:`lower`."""
+
+    buckets: tuple[Bucket, ...]
+    count: int
+    opts: Options
+    mode: Mode
+    flat_dtypes: tuple[torch.dtype, ...]  # each leaf's copy-in dtype (see [Note: flat dtype])
+    local: bool  # every bucket is local: nothing is ever pending
+    aliases: bool  # some bucket is local: a full tensor may be its shard itself
+    shards_only: bool  # every full tensor is its shard itself: nothing to gather or free
+
+    @property
+    def keeps(self) -> bool:
+        """Some bucket keeps a slice after forward (see [Note: reshard to a smaller mesh])."""
+        return any(b.post is not None for b in self.buckets)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Started:
+    """One bucket's gather, issued."""
+
+    bucket: Bucket
+    state: _Level | list[torch.Tensor]  # a pending gather, or (nothing to gather) the results
+    comms: tuple[C.Comm, ...]  # the bucket's, or this call's weighted ones
+
+
+@dataclasses.dataclass(frozen=True)
+class Inflight:
+    """Gathers issued by :func:`issue`; :func:`finish` waits and copies them out."""
+
+    buckets: list[_Started]
+    count: int
+
+
+def _comm(
+    layout: Layout, mesh_dim: int, opts: Options, dtype, async_op: bool, first: bool = False
+) -> C.Comm:
+    """``dtype``: the dtype the all-gather sends when no ``param_dtype`` is set. ``first``: the
+    reduction that runs first on the gradient. The mean's extra divisor ``layout.over`` goes
+    with one mesh dim: the one gathered first (reduced last in backward), or the first
+    replicated one if none is sharded.
+
+    [Note: the first reduction carries the weight]
+    ``"mean"`` divides every reduction by its own group's size (``1/W`` in all). A
+    ``"weighted"`` call's weight ``n_r / N`` is this rank's alone, so it must scale this rank's
+    own contribution once, before anything is summed: it goes to the reduction that runs
+    first, and the others sum. In a gather's backward that is the reduction of the last mesh
+    dim gathered -- the first sharded mesh dim, or without one the last replicated dim (the
+    last ``Broadcast``) --; in :func:`scatter` the first sharded, else the first replicated.
+    """
+    mesh = layout.spec.mesh
+    gather = opts.param_dtype or dtype
+    weighted = first and opts.counts is not None
+    over = layout.over if layout.over > 1 and mesh_dim == _carrier(layout) else 1
+    return C.Comm(
+        group=mesh.get_group(mesh_dim),
+        world=mesh.size(mesh_dim),
+        label=opts.label,
+        gather_dtype=gather,
+        reduce_dtype=opts.reduce_dtype or gather,
+        mean=opts.grad_reduce == "mean",
+        weight=_counts.weight(opts.counts, mesh) if weighted else None,  # type: ignore[arg-type]
+        async_op=async_op,
+        over=over,
+    )
+
+
+def _carrier(layout: Layout) -> int:
+    sharded, replicated = _mesh_dims(layout)
+    return sharded[-1] if sharded else replicated[0]
+
+
+def _mesh_dims(layout: Layout) -> tuple[list[int], list[int]]:
+    """(sharded, replicated) mesh dims of a leaf."""
+    placements = layout.spec.placements
+    sharded = [i for i, p in enumerate(placements) if isinstance(p, Shard)]
+    return sharded, [i for i in range(len(placements)) if i not in sharded]
+
+
+def _buckets(dtypes: Sequence[torch.dtype], layouts: Sequence[Layout]) -> list[list[int]]:
+    keys: dict[tuple, list[int]] = {}
+    for i, (dtype, lay) in enumerate(zip(dtypes, layouts, strict=True)):
+        kinds = tuple(isinstance(p, Shard) for p in lay.spec.placements)
+        keys.setdefault((lay.spec.mesh, kinds, dtype, lay.over), []).append(i)
+    return list(keys.values())
+
+
+def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """Zero-pad ``dim`` to ``size``. A concatenation, whose backward is a view (``F.pad``'s
+    copies), so a pending gradient passes through unread."""
+    extra = size - x.shape[dim]
+    if extra == 0:
+        return x
+    return torch.cat([x, x.new_zeros(*x.shape[:dim], extra, *x.shape[dim + 1 :])], dim=dim)
+
+
+def _from_rank_major(rows: torch.Tensor, chunk_shape: tuple[int, ...], dim: int) -> torch.Tensor:
+    """``[W, prod(chunk_shape)]`` -> the W chunks concatenated along ``dim``."""
+    w = rows.shape[0]
+    out = rows.view(w, *chunk_shape).movedim(0, dim)
+    return out.reshape(*chunk_shape[:dim], w * chunk_shape[dim], *chunk_shape[dim + 1 :])
+
+
+def _to_rank_major(x: torch.Tensor, dim: int, world: int) -> torch.Tensor:
+    """Inverse of :func:`_from_rank_major`: ``[.., W*c, ..]`` -> ``[W, numel / W]``."""
+    return x.unflatten(dim, (world, x.shape[dim] // world)).movedim(dim, 0).reshape(world, -1)
+
+
+def _split(flat: torch.Tensor, shapes, dims, sizes) -> list[torch.Tensor]:
+    """Split a flat buffer into tensors of ``shapes``, each narrowed along its dim (if not None)
+    to its size."""
+    out = []
+    for piece, shape, d, n in zip(
+        flat.split([math.prod(s) for s in shapes]), shapes, dims, sizes, strict=True
+    ):
+        x = piece.view(shape)
+        out.append(x if d is None or x.shape[d] == n else x.narrow(d, 0, n))
+    return out
+
+
+def _start_level(
+    xs, layouts, mesh_dim: int, comm: C.Comm, replicas=(), early=False, after=None
+) -> _Level:
+    """Pad; under plain autograd also issue the all-gather of one mesh dim (``early`` and
+    ``after``: see :func:`issue`).
+
+    [Note: issue early, record late]
+    Autograd runs ready backward nodes newest first. If the all-gather's node were created
+    when a prefetch issues it (before the current group computes), its backward -- the
+    reduce-scatter -- would run only after the current group's whole backward. So the
+    collective is issued here without autograd, and the ``AllGather`` node is created in
+    :func:`_finish_level`, when the group is first used, with the pre-gathered buffer: its
+    reduce-scatter then starts as soon as this group's backward ends. (Under ``torch.func``
+    everything happens when finishing, synchronously.)
+    """
+    dims = [lay.dim(mesh_dim) for lay in layouts]
+    sizes = [lay.levels[mesh_dim][d] for lay, d in zip(layouts, dims, strict=True)]
+    padded = [_pad(x, d, -(-n // comm.world)) for x, d, n in zip(xs, dims, sizes, strict=True)]
+    # ``early``: under torch.compile, issued early too (see [Note: collectives under
+    # torch.compile])
+    started = C.start_all_gather(comm, padded, after) if comm.async_op or early else None
+    if all(x.numel() == 0 for x in xs):
+        # [Note: empty shards are reduced synchronously]
+        # A pending gradient is waited where it reaches a wait node, found by its storage. If all
+        # of this rank's shards are empty (uneven sizes), only padding comes back, and the empty
+        # gradients autograd passes on share no storage with it: nothing would ever wait.
+        comm, replicas = comm.synchronous(), [r.synchronous() for r in replicas]
+    return _Level(padded, comm, tuple(replicas), started, dims, sizes)
+
+
+def _finish_level(level: _Level, into: Sequence[torch.Tensor] | None = None):
+    """Wait, record the autograd node and copy out; with ``into``, copy each result into those
+    tensors instead (refilling freed storage), straight from the buffer when no padding is cut
+    off, else through one parameter-sized temporary at a time."""
+    gathered = level.started.wait() if level.started is not None else None
+    buffer = C.AllGather.apply(level.comm, level.replicas, gathered, *level.pieces)
+    if gathered is not None and compiling():  # see [Note: one operation per group, not per tensor]
+        chunks = tuple(tuple(p.shape) for p in level.pieces)
+        copies = _opaque.Copies(level.comm.world, chunks, tuple(level.dims), tuple(level.sizes))
+        return list(_opaque.CopyOut.apply(buffer, copies))
+    if gathered is not None and not any(level.dims):  # see [Note: one copy-out per bucket]
+        chunks = tuple(tuple(p.shape) for p in level.pieces)
+        if into is None:
+            out = list(_CopyOut.apply(buffer, level.comm.world, chunks, tuple(level.sizes)))
+        else:
+            out = _refill_rows(into, buffer.view(level.comm.world, -1), chunks)
+        _release([buffer], keep=())
+        return out
+    rows = buffer.view(level.comm.world, -1)
+    shapes = [tuple(p.shape) for p in level.pieces]
+    out = []
+    for r, shape, d, n in zip(
+        rows.split([math.prod(s) for s in shapes], dim=1),
+        shapes,
+        level.dims,
+        level.sizes,
+        strict=True,
+    ):
+        if into is not None and n == level.comm.world * shape[d]:
+            out.append(_refill_chunks(into[len(out)], r, shape, d))
+            continue
+        full = _from_rank_major(r, shape, d)
+        full = full if full.shape[d] == n else full.narrow(d, 0, n)
+        out.append(full if into is None else _refill(into[len(out)], full))
+    if gathered is not None:
+        _release([buffer], keep=out)
+    return out
+
+
+class _CopyOut(C._Function):
+    """The full tensors of an all-gather's output ``[W * S]`` of pieces sharded on dim 0: views
+    of one new buffer, filled by one ``split_with_sizes_copy``; backward: one concatenation.
+
+    [Note: one copy-out per bucket]
+    Copied out tensor by tensor (a split, a view, a reshape that copies, a narrow for padding),
+    each full tensor costs several operations in forward and as many autograd nodes in
+    backward, per parameter and per step: on a GPU, where the step waits for the host, that
+    was most of the difference between funcshard's and FSDP2's host time at several ranks. For
+    the common layout (every piece sharded on dim 0, so that each full tensor is its rows of the
+    rank-major buffer, one after the other) the copy-out is one operation into one buffer and
+    one node whose backward concatenates the gradients back into the rank-major layout the
+    reduce-scatter takes. The full tensors share the buffer's storage: the scheduler frees and
+    refills it once per bucket (its storages are found by address). Other layouts, ``torch.func``
+    transforms and ``torch.compile`` take the general path (the latter ``_opaque.CopyOut``).
+    """
+
+    @staticmethod
+    def forward(buffer: torch.Tensor, world: int, chunks, sizes):
+        numels = [math.prod(c) for c in chunks]
+        flat = buffer.new_empty(world * sum(numels))
+        padded = flat.split([world * n for n in numels])
+        rows = [p.view(world, n) for p, n in zip(padded, numels, strict=True)]
+        torch.split_with_sizes_copy(buffer.view(world, -1), numels, dim=1, out=rows)
+        fulls = []
+        for p, c, n in zip(padded, chunks, sizes, strict=True):
+            full = p.view(world * c[0], *c[1:])
+            fulls.append(full if n == full.shape[0] else full.narrow(0, 0, n))
+        return tuple(fulls)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.world, ctx.chunks, _ = inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        world, rows = ctx.world, []
+        for g, c in zip(grads, ctx.chunks, strict=True):
+            padded = world * c[0]
+            if g.shape[0] != padded:  # zeros where the gather padded
+                g = torch.cat([g, g.new_zeros(padded - g.shape[0], *c[1:])])
+            n = math.prod(c)
+            rows.append(g.view(world, n) if g.is_contiguous() else g.reshape(world, n))
+        return torch.cat(rows, dim=1).view(-1), None, None, None
+
+
+def _refill_rows(targets: Sequence[torch.Tensor], rows: torch.Tensor, chunks) -> list:
+    """Refill ``targets`` (:class:`_CopyOut`'s results, whose storage was freed) from a gathered
+    ``[W, S]`` buffer with one copy, keeping their version counters: the rows of each target's
+    padded full tensor are a strided view of its storage, also where its own view is narrowed."""
+    world, numels = rows.shape[0], [math.prod(c) for c in chunks]
+    views = [  # called under no_grad: the views record no history
+        t.as_strided((world, n), (n, 1), t.storage_offset())
+        for t, n in zip(targets, numels, strict=True)
+    ]
+    with torch.autograd._unsafe_preserve_version_counter(tuple(targets)):
+        torch.split_with_sizes_copy(rows, numels, dim=1, out=views)
+    return list(targets)
+
+
+def _refill(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Copy ``value`` into ``target`` (a tensor autograd saved) without bumping its version."""
+    with torch.autograd._unsafe_preserve_version_counter(target):
+        target.detach().copy_(value)
+    return target
+
+
+def _refill_chunks(target: torch.Tensor, rows: torch.Tensor, chunk_shape, dim: int):
+    """:func:`_refill` with ``_from_rank_major(rows, chunk_shape, dim)``, copied chunk by chunk
+    into ``target``'s own memory: one copy, no full-size temporary."""
+    w = rows.shape[0]
+    chunks = rows.view(w, *chunk_shape).movedim(0, dim)
+    with torch.autograd._unsafe_preserve_version_counter(target):
+        target.detach().unflatten(dim, (w, chunk_shape[dim])).copy_(chunks)
+    return target
+
+
+def _release(tensors: Sequence[torch.Tensor], keep: Sequence[torch.Tensor]) -> None:
+    """Free the storage of a finished all-gather's output now.
+
+    [Note: releasing collective buffers]
+    After the wait, c10d's work object still references the collective's buffers (gloo keeps
+    the last work until the next one), so dropping our references frees nothing until the next
+    collective -- one group too late for the prefetch window. The output is ours, read by
+    nobody once copied out (autograd saves nothing of it), so its storage is emptied here,
+    unless a result is a view of it (single-tensor buckets). (Reduction inputs we own are freed
+    the same way when waited: see ``_collectives.wait``.)
+    """
+    if compiling():  # traced tensors have no storage: the compiler frees after the last use
+        return
+    kept = {storage_key(t) for t in keep}
+    for t in tensors:
+        if storage_key(t) not in kept:
+            t.untyped_storage().resize_(0)
+
+
+def _flat_dtype(opts: Options, dtype: torch.dtype) -> torch.dtype:
+    """See [Note: flat dtype]."""
+    gather = opts.param_dtype or dtype
+    return gather if (opts.reduce_dtype or gather) == gather else dtype
+
+
+def lower(
+    dtypes: Sequence[torch.dtype],
+    layouts: Sequence[Layout],
+    opts: Options,
+    mode: Mode,
+    post_forward: int | None = None,
+) -> Lowered:
+    """The gather of leaves of ``dtypes`` (their local shards') and ``layouts``, lowered once
+    for ``mode``: buckets, collectives and dtypes depend on the structure alone.
+
+    ``post_forward``: the group's ``reshard_after_forward=N`` (``N >= 2``), for which eager
+    buckets get their sub-group of ``N`` ranks (see [Note: reshard to a smaller mesh]).
+
+    Raises:
+        ValueError: ``post_forward`` does not divide the size of a bucket's sharded mesh dim.
+    """
+    if opts.grad_reduce == "weighted":
+        _counts.refuse_experts([lay.path for lay in layouts if lay.over > 1])
+    flat = tuple(_flat_dtype(opts, d) for d in dtypes)
+    buckets = []
+    for idx in _buckets(flat, layouts):
+        lays = tuple(layouts[i] for i in idx)
+        out_dtype = opts.param_dtype or dtypes[idx[0]]
+        sharded, replicated = _mesh_dims(lays[0])
+        comms = tuple(  # see [Note: order of mesh dims]
+            _comm(lays[0], m, opts, out_dtype, mode.asynchronous and j == 0)
+            for j, m in enumerate(reversed(sharded))
+        )
+        replicas = tuple(
+            _comm(lays[0], r, opts, flat[idx[0]], mode.asynchronous) for r in replicated
+        )
+        # one rank everywhere, and no expert-parallel mean to divide by
+        local = all(c.world == 1 and c.over == 1 for c in (*comms, *replicas))
+        post = None
+        if post_forward is not None and sharded:
+            sizes = [lays[0].spec.mesh.size(m) for m in sharded]
+            _post_forward.check(opts.label, post_forward, sizes, [lay.path for lay in lays])
+            if mode is Mode.EAGER and len(sharded) == 1:
+                mesh = lays[0].spec.mesh
+                post = _post_forward.post(comms[0], mesh, sharded[0], post_forward)
+        buckets.append(
+            Bucket(tuple(idx), lays, tuple(sharded), comms, replicas, out_dtype, local, post)
+        )
+    local = [b.local for b in buckets]
+    uncast = all(d == f == (opts.param_dtype or d) for d, f in zip(dtypes, flat, strict=True))
+    return Lowered(
+        tuple(buckets), len(dtypes), opts, mode, flat, all(local), any(local), all(local) and uncast
+    )
+
+
+def _weighted(b: Bucket, counts) -> tuple[tuple[C.Comm, ...], tuple[C.Comm, ...]]:
+    """``b``'s collectives for one ``"weighted"`` call: the first reduction of the gradient
+    carries this rank's weight (see [Note: the first reduction carries the weight])."""
+    weight = _counts.weight(counts, b.layouts[0].spec.mesh)
+    if b.comms:
+        return (*b.comms[:-1], dataclasses.replace(b.comms[-1], weight=weight)), b.replicas
+    return b.comms, (*b.replicas[:-1], dataclasses.replace(b.replicas[-1], weight=weight))
+
+
+def arm(tensors: Sequence[torch.Tensor], lowered: Lowered) -> list[torch.Tensor]:
+    """Cast shards to their copy-in dtype and, under plain autograd, put a wait node on them
+    (``Notify`` with ``waiting``): where the backward reduce-scatter of these shards is waited.
+
+    Calling it before the gather is issued (the scheduler arms the next group when the
+    current one starts) places that wait after the current group's backward, whatever the
+    prefetch: see [Note: pending tensors] in ``_collectives``. Nothing between that node and
+    the all-gather reads the gradient (only pads, concatenations and views), which is why the
+    cast comes first. A local group has nothing pending: no wait node.
+    """
+    dtypes = lowered.flat_dtypes
+    cast = [x if x.dtype == d else x.to(d) for x, d in zip(tensors, dtypes, strict=True)]
+    if not lowered.mode.asynchronous or lowered.local or not torch.is_grad_enabled():
+        return cast
+    return list(C.Notify.apply(C.waiting(lowered.opts.label), *cast))
+
+
+def issue(
+    tensors: Sequence[torch.Tensor],
+    lowered: Lowered,
+    armed: Sequence[torch.Tensor] | None = None,
+    counts: Sequence[float | None] | None = None,
+    kept: Sequence[torch.Tensor | None] | None = None,
+) -> Inflight:
+    """Start gathering ``tensors`` (logical local shards) to their full logical shapes, as
+    ``lowered`` says.
+
+    ``armed``: the result of :func:`arm` for these tensors, if already made. Under plain
+    autograd each bucket's first all-gather is left pending; :func:`finish` waits.
+    ``counts``: every rank's, for a ``"weighted"`` call (see [Note: the first reduction
+    carries the weight]).
+    ``kept``: per bucket, the slice :func:`keep` kept after forward, or ``None``: those
+    buckets are gathered from it within their sub-group (a re-gather, without autograd).
+    """
+    tensors = list(armed) if armed is not None else arm(tensors, lowered)
+    early = lowered.mode is Mode.TRACED
+    # see [Note: a gather's copy-in follows the waits before it] in _compile
+    after = after_waits() if early else None
+    started = []
+    for j, b in enumerate(lowered.buckets):
+        xs = [tensors[i] for i in b.index]
+        comms, replicas = (b.comms, b.replicas) if counts is None else _weighted(b, counts)
+        state: _Level | list[torch.Tensor]
+        slice_ = None if kept is None else kept[j]
+        if slice_ is not None:  # see [Note: reshard to a smaller mesh]
+            state = _from_kept(b, slice_)
+        elif b.local:  # see [Note: one rank communicates nothing] in _collectives
+            comm = b.comms[0] if b.comms else b.replicas[0]
+            state = [C.one_rank(x, comm) for x in xs]
+        elif b.comms:
+            state = _start_level(xs, b.layouts, b.sharded[-1], comms[0], replicas, early, after)
+        else:
+            flat = torch.cat([x.reshape(-1) for x in xs])
+            for r in replicas:
+                flat = C.Broadcast.apply(flat, r)
+            none = [None] * len(xs)
+            state = _split(flat, [tuple(x.shape) for x in xs], none, none)
+        started.append(_Started(b, state, comms))
+    return Inflight(started, len(tensors))
+
+
+def keep(fulls: Sequence[torch.Tensor], lowered: Lowered) -> list[torch.Tensor | None]:
+    """Per bucket, the slice of ``fulls`` (a group's gathered tensors) kept after forward, or
+    ``None`` (see [Note: reshard to a smaller mesh])."""
+    return [
+        None
+        if b.post is None
+        else _post_forward.keep([fulls[i] for i in b.index], b.layouts, b.sharded[0], b.post)
+        for b in lowered.buckets
+    ]
+
+
+def _from_kept(b: Bucket, kept: torch.Tensor) -> _Level:
+    """The re-gather of a bucket from its kept slice: the sub-group's all-gather, which gives
+    the whole dim's ``[W, S]`` buffer; copied out as the full gather (``_finish_level``)."""
+    m, comm = b.sharded[0], b.comms[0]
+    dims = [lay.dim(m) for lay in b.layouts]
+    sizes = [lay.levels[m][d] for lay, d in zip(b.layouts, dims, strict=True)]
+    # the pieces only give their shapes: the gathered buffer is handed to AllGather ready
+    scalar = kept.new_empty(())
+    pieces = [scalar.expand(s) for s in _post_forward.padded_shapes(b.layouts, m, comm.world)]
+    started = C.start_all_gather(b.post.comm, [kept])  # type: ignore[union-attr]
+    return _Level(pieces, comm, (), started, dims, sizes)
+
+
+def wait_transfers(inflight: Inflight) -> None:
+    """Wait for :func:`issue`'s transfers, copying nothing out (:func:`finish` does that).
+
+    Lets a caller allocate the results' memory only once the collectives' own buffers (gloo's
+    full-size scratch) are gone: see [Note: refill after the transfer] in ``_schedule``.
+    """
+    for b in inflight.buckets:
+        if isinstance(b.state, _Level) and b.state.started is not None:
+            b.state.started.transferred()
+
+
+def finish(inflight: Inflight, into: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Wait for :func:`issue`'s gathers and return the full tensors, in the order given.
+
+    ``into``: tensors of the results' shapes and dtypes to copy the results into (under
+    ``no_grad``, keeping their version counters: a re-gather refilling freed storage).
+    """
+    out: list[torch.Tensor | None] = [None] * inflight.count
+    for started in inflight.buckets:
+        b = started.bucket
+        targets = None if into is None else [into[i] for i in b.index]
+        fulls = started.state
+        if isinstance(fulls, _Level):
+            more = b.sharded[:-1]  # further sharded mesh dims: synchronous
+            fulls = _finish_level(fulls, None if more else targets)
+            for m, comm in zip(reversed(more), started.comms[1:], strict=True):
+                level = _start_level(fulls, b.layouts, m, comm)
+                fulls = _finish_level(level, targets if m == more[0] else None)
+        elif targets is not None:
+            fulls = [_refill(t, f) for t, f in zip(targets, fulls, strict=True)]
+        for i, full in zip(b.index, fulls, strict=True):
+            out[i] = full if full.dtype == b.out_dtype else full.to(b.out_dtype)
+    return out  # type: ignore[return-value]
+
+
+def gather(tensors: Sequence[torch.Tensor], layouts: Sequence[Layout], opts: Options):
+    """All-gather ``tensors`` to full tensors: :func:`issue` then :func:`finish`."""
+    static = dataclasses.replace(opts, counts=None)
+    lowered = lower([t.dtype for t in tensors], layouts, static, Mode.now())
+    return finish(issue(tensors, lowered, counts=opts.counts))
+
+
+def scatter(
+    fulls: Sequence[torch.Tensor],
+    layouts: Sequence[Layout],
+    out_dtypes: Sequence[torch.dtype],
+    opts: Options,
+    async_op: bool = False,
+) -> list[torch.Tensor]:
+    """Reduce-scatter full (logical) tensors to the local shards described by ``layouts``.
+
+    The adjoint of :func:`gather`: sharded mesh dims from the first to the last, then an
+    all-reduce of the (smallest) flat result over replicated mesh dims. Synchronous, unless
+    ``async_op``: then a bucket whose last step is a reduce-scatter already in the results'
+    dtypes returns its results pending (see [Note: pending tensors] in ``_collectives``: the
+    caller waits each with ``wait``). Outside autograd the concatenated input is donated.
+    """
+    out: list[torch.Tensor | None] = [None] * len(fulls)
+    for idx in _buckets([t.dtype for t in fulls], layouts):
+        xs, lays = [fulls[i] for i in idx], [layouts[i] for i in idx]
+        sharded, replicated = _mesh_dims(lays[0])
+        red = _comm(lays[0], 0, opts, xs[0].dtype, False).reduce_dtype
+        pending = async_op and not replicated and all(out_dtypes[i] == red for i in idx)
+        for j, m in enumerate(sharded):
+            last = j == len(sharded) - 1
+            comm = _comm(lays[0], m, opts, xs[0].dtype, pending and last, j == 0)
+            dims = [lay.dim(m) for lay in lays]
+            chunks = [-(-x.shape[d] // comm.world) for x, d in zip(xs, dims, strict=True)]
+            rows = [
+                _to_rank_major(_pad(x, d, c * comm.world), d, comm.world)
+                for x, d, c in zip(xs, dims, chunks, strict=True)
+            ]
+            flat = torch.cat(rows, dim=1).reshape(-1)
+            flat = C.ReduceScatter.apply(flat, comm, red, not torch.is_grad_enabled())
+            if last:
+                flat = _all_reduce(flat, lays[0], replicated, opts)
+            shapes = [
+                (*x.shape[:d], c, *x.shape[d + 1 :])
+                for x, d, c in zip(xs, dims, chunks, strict=True)
+            ]
+            sizes = [lay.levels[m + 1][d] for lay, d in zip(lays, dims, strict=True)]
+            xs = _split(flat, shapes, dims, sizes)
+        if not sharded:
+            flat = torch.cat([x.reshape(-1) for x in xs]).to(red)
+            flat = _all_reduce(flat, lays[0], replicated, opts, first=True)
+            xs = _split(flat, [x.shape for x in xs], [None] * len(xs), [None] * len(xs))
+        for i, x in zip(idx, xs, strict=True):
+            out[i] = x.to(out_dtypes[i])
+    return out  # type: ignore[return-value]
+
+
+def _all_reduce(flat, layout: Layout, mesh_dims, opts: Options, first=False) -> torch.Tensor:
+    """All-reduce over ``mesh_dims`` in order; ``first``: the first of them is the first
+    reduction of the gradient (see :func:`_comm`)."""
+    for i, m in enumerate(mesh_dims):
+        comm = _comm(layout, m, opts, flat.dtype, False, first and i == 0)
+        flat = C.AllReduce.apply(flat, comm)
+    return flat
