@@ -41,48 +41,49 @@ EXPLAIN_CLI = "Explaining a step: fs.explain, python -m funcshard.explain"
 
 # The page section of each raise site: "file::function" first, then the file, then its folder.
 AREAS = {
-    "_spec.py": SHARDING,
-    "_spec.py::from_local": TORCH_FUNC,
-    "_dtensor.py": TORCH_FUNC,
-    "_spec.py::check_materialized": INIT,
+    "_trees/_spec.py": SHARDING,
+    "_trees/_spec.py::from_local": TORCH_FUNC,
+    "_trees/_dtensor.py": TORCH_FUNC,
+    "_trees/_spec.py::check_materialized": INIT,
     "transforms/_shard.py": SHARDING,
-    "_parallel.py": SHARDING,
-    "_consensus.py": TREES,
-    "_store.py": TREES,
-    "_liveness.py": TREES,
-    "_debug.py": TREES,
-    "_tree.py": TREES,
-    "_autodiff.py": GRADIENTS,
+    "_trees/_parallel.py": SHARDING,
+    "_communication/_consensus.py": TREES,
+    "_communication/_store.py": TREES,
+    "_communication/_liveness.py": TREES,
+    "_communication/_debug.py": TREES,
+    "_trees/_tree.py": TREES,
+    "_execution/_autodiff.py": GRADIENTS,
     "transforms/_unshard.py": GRADIENTS,
     "transforms/_reduce.py": GRADIENTS,
-    "_counts.py": GRADIENTS,
-    "_grad_layout.py": GRADIENTS,
-    "_extract.py": MODULES,
-    "_meta.py": MODULES,
-    "_deferred.py": MODULES,
-    "_activation_checkpoint.py": MODULES,
-    "_grouping.py": SCHEDULE,
-    "_plan.py": SCHEDULE,
-    "_plan_meshes.py": SCHEDULE,
-    "_compile.py": COMPILE,
-    "_compat.py": COMPILE,
-    "_cuda_graph.py": CUDA_GRAPH,
-    "_explain.py": EXPLAIN_CLI,
-    "_autoplan.py": EXPLAIN_CLI,
-    "_explain_plot.py": EXPLAIN_CLI,
-    "_explain_cli.py": EXPLAIN_CLI,
-    "_post_forward.py": SCHEDULE,
-    "_explain_scale.py": EXPLAIN_CLI,
-    "_fake_world.py": EXPLAIN_CLI,
-    "_bucketing.py": SCHEDULE,
-    "_record.py": SCHEDULE,
-    "_schedule.py": SCHEDULE,
-    "_recompute.py": SCHEDULE,
-    "_activation_checkpoint.py::name_failures": SCHEDULE,  # the plan's recompute
-    "_collectives.py": TORCH_FUNC,
-    "_flat.py": TORCH_FUNC,
-    "_materialize.py": INIT,
-    "_materialize_steps.py": INIT,
+    "_communication/_counts.py": GRADIENTS,
+    "_communication/_grad_layout.py": GRADIENTS,
+    "_trees/_extract.py": MODULES,
+    "_trees/_meta.py": MODULES,
+    "_trees/_deferred.py": MODULES,
+    "_trees/_activation_checkpoint.py": MODULES,
+    "_plans/_grouping.py": SCHEDULE,
+    "_plans/_plan.py": SCHEDULE,
+    "_plans/_plan_meshes.py": SCHEDULE,
+    "_runtime/_compile.py": COMPILE,
+    "_runtime/_compat.py": COMPILE,
+    "_execution/_cuda_graph.py": CUDA_GRAPH,
+    "_pricing/_explain.py": EXPLAIN_CLI,
+    "_pricing/_autoplan.py": EXPLAIN_CLI,
+    "_pricing/_explain_plot.py": EXPLAIN_CLI,
+    "_pricing/_explain_cli.py": EXPLAIN_CLI,
+    "_communication/_post_forward.py": SCHEDULE,
+    "_pricing/_explain_scale.py": EXPLAIN_CLI,
+    "_pricing/_fake_world.py": EXPLAIN_CLI,
+    "_plans/_bucketing.py": SCHEDULE,
+    "_plans/_record.py": SCHEDULE,
+    "_execution/_schedule.py": SCHEDULE,
+    "_execution/_recompute.py": SCHEDULE,
+    "_trees/_activation_checkpoint.py::name_failures": SCHEDULE,  # the plan's recompute
+    "_communication/_collectives.py": TORCH_FUNC,
+    "_runtime/_mode.py": TORCH_FUNC,  # refuse_jacfwd
+    "_communication/_flat.py": TORCH_FUNC,
+    "transforms/_materialize.py": INIT,
+    "_trees/_materialize_steps.py": INIT,
     "optim/": OPTIM,
     "checkpoint/": CHECKPOINT,
     "testing/": TESTING,
@@ -90,14 +91,17 @@ AREAS = {
 
 # Sites whose message is not written at the raise: "file::qualified function" -> (type, phrases).
 INDIRECT = {
-    "_autoplan.py::autoplan": ("ValueError", ["no plan fits memory_budget"]),  # nothing_fits()
-    "_autoplan.py::_Search.run": ("ValueError", ["no plan fits memory_budget"]),
-    "_dtensor.py::locals_of": ("NotImplementedError", ["transforms over DTensor trees"]),
-    "_compile.py::refuse_while_tracing": (
+    "_pricing/_autoplan.py::autoplan": (
+        "ValueError",
+        ["no plan fits memory_budget"],
+    ),  # nothing_fits()
+    "_pricing/_autoplan.py::_Search.run": ("ValueError", ["no plan fits memory_budget"]),
+    "_trees/_dtensor.py::locals_of": ("NotImplementedError", ["transforms over DTensor trees"]),
+    "_runtime/_compile.py::refuse_while_tracing": (
         "RuntimeError",
         ["was created inside a function"],
     ),
-    "_consensus.py::_agree": (
+    "_communication/_consensus.py::_agree": (
         "ValueError",
         [
             "ranks disagree",
@@ -107,11 +111,17 @@ INDIRECT = {
             "optimizer states are at different steps",
         ],
     ),
-    "_plan.py::_recompute_names": ("ValueError", ["cannot recompute its forward"]),
-    "_plan.py::_validate": ("ValueError", ["cannot recompute its forward"]),  # _ROOT_RECOMPUTES
+    "_plans/_plan.py::_recompute_names": ("ValueError", ["cannot recompute its forward"]),
+    "_plans/_plan.py::_validate": (
+        "ValueError",
+        ["cannot recompute its forward"],
+    ),  # _ROOT_RECOMPUTES
     "testing/_pool.py::Pool._results": ("RankError", ["failed on rank", "did not finish"]),
     "checkpoint/_comm.py::all_ok": ("RuntimeError", ["Saving wait"]),  # "rank r: <error>"
-    "_autodiff.py::value_and_grad.wrapped": ("TypeError", ["inside another fs value_and_grad"]),
+    "_execution/_autodiff.py::value_and_grad.wrapped": (
+        "TypeError",
+        ["inside another fs value_and_grad"],
+    ),
     "checkpoint/_load.py::load": ("RuntimeError", ["is damaged key", "reading the data of"]),
     "checkpoint/_save.py::_prepare_directory": ("OSError", ["cannot create the temporary"]),
     # the OSError in a failed write's chain, raised on every rank as save_failed's message
@@ -119,16 +129,19 @@ INDIRECT = {
     "checkpoint/_integrity.py::Writer.finish": ("OSError", ["writing the checkpoint"]),
     "testing/_reference.py::assert_close": ("AssertionError", ["does not match the structure"]),
     # _recompute.differed
-    "_recompute.py::_Call.run": ("RuntimeError", ["recomputed differently from its forward"]),
-    "_recompute.py::_Unkept.__torch_function__": (
-        "RuntimeError",
-        ["recomputed differently from its forward", "computed from its inputs and kept"],
-    ),
-    "_activation_checkpoint.py::name_failures.check_named": (
+    "_execution/_recompute.py::_Call.run": (
         "RuntimeError",
         ["recomputed differently from its forward"],
     ),
-    "_activation_checkpoint.py::name_failures.recompute_named": (
+    "_execution/_recompute.py::_Unkept.__torch_function__": (
+        "RuntimeError",
+        ["recomputed differently from its forward", "computed from its inputs and kept"],
+    ),
+    "_trees/_activation_checkpoint.py::name_failures.check_named": (
+        "RuntimeError",
+        ["recomputed differently from its forward"],
+    ),
+    "_trees/_activation_checkpoint.py::name_failures.recompute_named": (
         "RuntimeError",
         ["recomputed differently from its forward"],
     ),
