@@ -258,6 +258,20 @@ def test_host_part_runs_quick():
     assert rows == ["plain", "FSDP2", "funcshard"]
 
 
+def test_optim_host_part_steps_both_optimizers_alike(tmp_path):
+    """benchmarks/optim_host.py: fs.optim and torch.optim on the same shards end with the same
+    parameters (the same fused kernel, as many steps each), for both kernels."""
+    for kernel in ([], ["--foreach"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "benchmarks.optim_host", "--leaves", "3,5", "--rounds", "1",
+             "--out", str(tmp_path), *kernel],
+            capture_output=True, text=True, timeout=300, check=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": "0"},
+        )  # fmt: skip
+        rows = [line.split() for line in out.stdout.splitlines()[2:]]
+        assert [(r[0], r[-1]) for r in rows] == [("3", "True"), ("5", "True")], out.stdout
+
+
 def test_host_counts_the_operations_a_step_dispatches():
     """benchmarks/host.py's call count: the ATen operations of one step, nested ones included
     (a hand count: an add of two tensors, and a cast that copies: to -> _to_copy ->

@@ -75,8 +75,8 @@ import torch
 import torch.distributed as dist
 
 from .._runtime._compat import all_gather_single, storage_key
-from .._runtime._compile import compiling, issued, waited, waits_for
-from .._runtime._mode import refuse_jacfwd, transformed
+from .._runtime._compile import issued, waited, waits_for
+from .._runtime._mode import Mode, refuse_jacfwd, transformed
 from .._runtime._profiling import span
 from . import _debug, _liveness, _opaque
 
@@ -111,14 +111,61 @@ class Comm:
     reduce_dtype: torch.dtype | None = None
     mean: bool = True
     weight: float | None = None
-    async_op: bool = False
+    mode: Mode = Mode.ANOMALY
     over: int = 1
 
     def synchronous(self) -> Comm:
-        return dataclasses.replace(self, async_op=False)
+        """This collective, completed before the call goes on (see :attr:`Mode.waited`)."""
+        return dataclasses.replace(self, mode=self.mode.waited)
+
+    def inside_transform(self) -> Comm:
+        """This collective as a ``jvp`` or ``vmap`` rule runs it: inside a ``torch.func``
+        transform, synchronous."""
+        mode = Mode.TRACED_SYNCHRONOUS if self.mode.traced else Mode.SYNCHRONOUS
+        return dataclasses.replace(self, mode=mode)
 
     def batched(self) -> Comm:
-        return dataclasses.replace(self, dim=self.dim + 1, async_op=False)
+        return dataclasses.replace(self.inside_transform(), dim=self.dim + 1)
+
+    @property
+    def way(self) -> _Way:
+        return _WAYS[self.mode]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Way:
+    """How a collective runs in one execution mode (see [Note: one way per mode])."""
+
+    pending: bool  # its output may be returned pending, waited where it is first read
+    early: bool  # an all-gather may be issued before its autograd node is recorded
+    traced: bool  # functional collectives in torch.compile's graph, waited by the trace
+    frees: bool  # a donated input's storage is emptied as soon as it is dead
+    registers: bool  # an issued c10d work is registered until waited, and settled at exit
+
+
+# [Note: one way per mode]
+# A collective is issued, waited for and its buffers released differently in each execution
+# mode (see [Note: the execution mode is data] in ``_runtime/_mode``). A ``Comm`` carries its
+# mode, decided where its call was lowered, and every choice below reads this table -- not
+# torch's global state. Plain autograd (``EAGER``) may leave outputs pending and issues a
+# prefetched all-gather early, registering its c10d work until it is waited (see [Note: no
+# collective of ours in flight at exit]). A CUDA-graph capture (``CAPTURED``) runs the same
+# ops, recorded for replay, with one rule of its own: no registry of works in flight, whose
+# pruning asks each work whether it finished -- an event query, which a capture forbids --
+# and whose graph waits for every collective it issued anyway. Synchronous modes (a later
+# collective of a chain: ``EAGER.waited`` is ``ANOMALY``; ``torch.func``) wait at once, and
+# under ``torch.func`` free nothing (its tensors are wrappers). Traced modes record functional
+# collectives that the compiler schedules and frees.
+_WAYS: dict[Mode, _Way] = {
+    Mode.EAGER: _Way(pending=True, early=True, traced=False, frees=True, registers=True),
+    Mode.CAPTURED: _Way(pending=True, early=True, traced=False, frees=True, registers=False),
+    Mode.ANOMALY: _Way(pending=False, early=False, traced=False, frees=True, registers=True),
+    Mode.SYNCHRONOUS: _Way(pending=False, early=False, traced=False, frees=False, registers=True),
+    Mode.TRACED: _Way(pending=False, early=True, traced=True, frees=False, registers=False),
+    Mode.TRACED_SYNCHRONOUS: _Way(
+        pending=False, early=False, traced=True, frees=False, registers=False
+    ),
+}
 
 
 def wait(t: torch.Tensor) -> torch.Tensor:
@@ -126,9 +173,12 @@ def wait(t: torch.Tensor) -> torch.Tensor:
 
     Waits on a detached alias: the work is found by storage, and ``wait_tensor``'s own
     (old-style) autograd must not enter our graphs. Never call it on functorch-wrapped tensors.
+    Called on any tensor by code that holds no ``Comm`` (every Function waits its inputs), it
+    asks the registries, not the mode: the trace's (see [Note: collectives under
+    torch.compile]; empty outside a trace) and the pending outputs' (empty inside one).
     """
-    if compiling():  # see [Note: collectives under torch.compile]
-        return waited(_ops.wait_tensor(t)) if waits_for(t) else t
+    if waits_for(t):
+        return waited(_ops.wait_tensor(t))
     if not _PENDING:
         return t
     ptr = storage_key(t)
@@ -155,7 +205,7 @@ def _reduce_input(x: torch.Tensor, comm: Comm, donated: bool) -> tuple[torch.Ten
     if red != x.dtype:
         cast = x.to(red)
         if donated:
-            _free_donated(x)  # see [Note: the cast frees its source]
+            _free_donated(x, comm)  # see [Note: the cast frees its source]
         x, donated = cast, True
     n = comm.world * comm.over
     if comm.weight == 0:
@@ -167,7 +217,7 @@ def _reduce_input(x: torch.Tensor, comm: Comm, donated: bool) -> tuple[torch.Ten
     return x.contiguous(), donated
 
 
-def _free_donated(x: torch.Tensor) -> None:
+def _free_donated(x: torch.Tensor, comm: Comm) -> None:
     """Free the storage of a donated tensor that nothing reads any more.
 
     [Note: the cast frees its source]
@@ -180,7 +230,7 @@ def _free_donated(x: torch.Tensor) -> None:
     unsharded gradients after the copy-in in the same way). Only the whole storage of a plain
     tensor is freed: never under ``torch.compile`` (no storage) or ``torch.func`` (wrappers).
     """
-    if compiling() or transformed():
+    if not comm.way.frees:
         return
     storage = x.untyped_storage()
     if storage.nbytes() == x.numel() * x.element_size() and x.is_contiguous():
@@ -188,16 +238,16 @@ def _free_donated(x: torch.Tensor) -> None:
 
 
 def _pending_or_waited(y: torch.Tensor, comm: Comm, donated: torch.Tensor | None):
-    if comm.async_op and y.numel():  # see [Note: empty shards are reduced synchronously]
+    if comm.way.pending and y.numel():  # see [Note: empty shards are reduced synchronously]
         if donated is not None:
             _DONATED[storage_key(y)] = donated
         return y
     return wait(y)
 
 
-def _issued(y: torch.Tensor) -> torch.Tensor:
+def _issued(y: torch.Tensor, comm: Comm) -> torch.Tensor:
     """``y``, a functional collective's output just issued: pending until :func:`wait`."""
-    if compiling():
+    if comm.way.traced:
         return issued(y)
     _PENDING.add(storage_key(y))
     return y
@@ -229,7 +279,8 @@ def _all_gather(x: torch.Tensor, comm: Comm) -> torch.Tensor:
         return x
     _debug.check("all_gather", comm.group, comm.label, x)  # see [Note: checked collectives]
     with span("all_gather", comm.label):
-        y = _issued(_ops.all_gather_into_tensor(x.contiguous(), comm.world, comm.group.group_name))
+        y = _ops.all_gather_into_tensor(x.contiguous(), comm.world, comm.group.group_name)
+        y = _issued(y, comm)
     if comm.dim == 0:
         return _pending_or_waited(y, comm, None)
     y = wait(y).view(comm.world, *x.shape).movedim(0, comm.dim)
@@ -245,8 +296,8 @@ def _reduce_scatter(x, comm: Comm, out_dtype: torch.dtype, donated: bool) -> tor
         x = x.unflatten(d, (w, x.shape[d] // w)).movedim(d, 0).flatten(0, 1).contiguous()
     _debug.check("reduce_scatter", comm.group, comm.label, x)
     with span("reduce_scatter", comm.label):
-        y = _issued(_ops.reduce_scatter_tensor(x, "sum", w, comm.group.group_name))
-    if d == 0 and comm.async_op and y.dtype == out_dtype:
+        y = _issued(_ops.reduce_scatter_tensor(x, "sum", w, comm.group.group_name), comm)
+    if d == 0 and comm.way.pending and y.dtype == out_dtype:
         if ours and copies_reduce_scatter_input(comm.group, x.device.type):
             x.untyped_storage().resize_(0)  # see [Note: gloo copies reduce-scatter inputs]
             ours = False
@@ -282,8 +333,8 @@ def _all_reduce(x: torch.Tensor, comm: Comm) -> torch.Tensor:
         return y.to(x.dtype)
     _debug.check("all_reduce", comm.group, comm.label, y)
     with span("all_reduce", comm.label):
-        y = _issued(_ops.all_reduce(y, "sum", comm.group.group_name))
-    if comm.async_op and y.dtype == x.dtype and y.numel():
+        y = _issued(_ops.all_reduce(y, "sum", comm.group.group_name), comm)
+    if comm.way.pending and y.dtype == x.dtype and y.numel():
         return y
     return wait(y).to(x.dtype)
 
@@ -323,8 +374,9 @@ def start_all_gather(comm: Comm, pieces, after: torch.Tensor | None = None) -> S
     handed to :class:`AllGather` later (see [Note: issue early, record late] in ``_flat``).
     Plain autograd only (an in-place collective); under ``torch.compile``, the functional one
     (see [Note: collectives under torch.compile]) after a copy-in made by one operation that
-    follows ``after`` (see ``_opaque``)."""
-    if compiling():
+    follows ``after`` (see ``_opaque``). See [Note: one way per mode]."""
+    way = comm.way
+    if way.traced:
         with torch.no_grad():
             flat = _opaque.copy_in(pieces, comm.gather_dtype or pieces[0].dtype, after)
         with span("all_gather", comm.label):
@@ -342,6 +394,8 @@ def start_all_gather(comm: Comm, pieces, after: torch.Tensor | None = None) -> S
     _debug.check("all_gather", comm.group, comm.label, slot)
     with span("all_gather", comm.label):
         work = all_gather_single(output, slot, group=comm.group, async_op=True)
+    if not way.registers:
+        return Started(output, work)
     for key in [k for k, w in _UNFINISHED.items() if w.is_completed()]:
         del _UNFINISHED[key]  # left by a call an error cut short, and finished since
     _UNFINISHED[id(work)] = work
@@ -462,12 +516,12 @@ class AllGather(_Function):
             torch.zeros(s, dtype=ctx.dtype, device=ctx.device) if t is None else t
             for t, s in zip(tangents, ctx.shapes, strict=True)
         ]
-        return AllGather.apply(ctx.comm.synchronous(), ctx.replicas, None, *tangents)
+        return AllGather.apply(ctx.comm.inside_transform(), ctx.replicas, None, *tangents)
 
     @staticmethod
     def vmap(info, in_dims, comm, replicas, gathered, *pieces):
         moved = [_moved(p, d, info.batch_size) for p, d in zip(pieces, in_dims[3:], strict=True)]
-        replicas = tuple(r.synchronous() for r in replicas)
+        replicas = tuple(r.inside_transform() for r in replicas)
         return AllGather.apply(comm.batched(), replicas, None, *moved), 0
 
 
@@ -531,12 +585,12 @@ class ReduceScatter(_Function):
     @staticmethod
     def jvp(ctx, t, _, __, ___):
         refuse_jacfwd(ctx.comm.label, ctx.comm.world)
-        return ReduceScatter.apply(t, ctx.comm.synchronous(), t.dtype)
+        return ReduceScatter.apply(t, ctx.comm.inside_transform(), t.dtype)
 
     @staticmethod
     def vmap(info, in_dims, x, comm, out_dtype, donated=False):
         if in_dims[0] is None:
-            return ReduceScatter.apply(x, comm.synchronous(), out_dtype), None
+            return ReduceScatter.apply(x, comm.inside_transform(), out_dtype), None
         return ReduceScatter.apply(x.movedim(in_dims[0], 0), comm.batched(), out_dtype), 0
 
 
@@ -561,7 +615,7 @@ class Broadcast(_Function):
 
     @staticmethod
     def vmap(info, in_dims, x, comm):
-        return Broadcast.apply(x, comm.synchronous()), in_dims[0]
+        return Broadcast.apply(x, comm.inside_transform()), in_dims[0]
 
 
 class AllReduce(_Function):
@@ -582,11 +636,11 @@ class AllReduce(_Function):
     @staticmethod
     def jvp(ctx, t, _):
         refuse_jacfwd(ctx.comm.label, ctx.comm.world)
-        return AllReduce.apply(t, ctx.comm.synchronous())
+        return AllReduce.apply(t, ctx.comm.inside_transform())
 
     @staticmethod
     def vmap(info, in_dims, x, comm):
-        return AllReduce.apply(x, comm.synchronous()), in_dims[0]
+        return AllReduce.apply(x, comm.inside_transform()), in_dims[0]
 
 
 class Notify(_Function):

@@ -30,7 +30,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 from .._runtime._compat import storage_key
-from .._runtime._compile import after_waits, compiling
+from .._runtime._compile import after_waits
 from .._runtime._mode import Mode
 from .._trees._spec import ShardSpec
 from . import _collectives as C
@@ -183,9 +183,10 @@ class Inflight:
 
 
 def _comm(
-    layout: Layout, mesh_dim: int, opts: Options, dtype, async_op: bool, first: bool = False
+    layout: Layout, mesh_dim: int, opts: Options, dtype, mode: Mode, first: bool = False
 ) -> C.Comm:
-    """``dtype``: the dtype the all-gather sends when no ``param_dtype`` is set. ``first``: the
+    """``dtype``: the dtype the all-gather sends when no ``param_dtype`` is set. ``mode``: the
+    collective's (see [Note: one way per mode] in ``_collectives``). ``first``: the
     reduction that runs first on the gradient. The mean's extra divisor ``layout.over`` goes
     with one mesh dim: the one gathered first (reduced last in backward), or the first
     replicated one if none is sharded.
@@ -210,7 +211,7 @@ def _comm(
         reduce_dtype=opts.reduce_dtype or gather,
         mean=opts.grad_reduce == "mean",
         weight=_counts.weight(opts.counts, mesh) if weighted else None,  # type: ignore[arg-type]
-        async_op=async_op,
+        mode=mode,
         over=over,
     )
 
@@ -268,11 +269,9 @@ def _split(flat: torch.Tensor, shapes, dims, sizes) -> list[torch.Tensor]:
     return out
 
 
-def _start_level(
-    xs, layouts, mesh_dim: int, comm: C.Comm, replicas=(), early=False, after=None
-) -> _Level:
-    """Pad; under plain autograd also issue the all-gather of one mesh dim (``early`` and
-    ``after``: see :func:`issue`).
+def _start_level(xs, layouts, mesh_dim: int, comm: C.Comm, replicas=(), after=None) -> _Level:
+    """Pad; where the comm's mode issues early (plain autograd, a capture, a trace), also issue
+    the all-gather of one mesh dim (``after``: see :func:`issue`).
 
     [Note: issue early, record late]
     Autograd runs ready backward nodes newest first. If the all-gather's node were created
@@ -286,9 +285,8 @@ def _start_level(
     dims = [lay.dim(mesh_dim) for lay in layouts]
     sizes = [lay.levels[mesh_dim][d] for lay, d in zip(layouts, dims, strict=True)]
     padded = [_pad(x, d, -(-n // comm.world)) for x, d, n in zip(xs, dims, sizes, strict=True)]
-    # ``early``: under torch.compile, issued early too (see [Note: collectives under
-    # torch.compile])
-    started = C.start_all_gather(comm, padded, after) if comm.async_op or early else None
+    # under torch.compile too (see [Note: collectives under torch.compile])
+    started = C.start_all_gather(comm, padded, after) if comm.way.early else None
     if all(x.numel() == 0 for x in xs):
         # [Note: empty shards are reduced synchronously]
         # A pending gradient is waited where it reaches a wait node, found by its storage. If all
@@ -304,7 +302,8 @@ def _finish_level(level: _Level, into: Sequence[torch.Tensor] | None = None):
     off, else through one parameter-sized temporary at a time."""
     gathered = level.started.wait() if level.started is not None else None
     buffer = C.AllGather.apply(level.comm, level.replicas, gathered, *level.pieces)
-    if gathered is not None and compiling():  # see [Note: one operation per group, not per tensor]
+    traced = level.comm.way.traced
+    if gathered is not None and traced:  # see [Note: one operation per group, not per tensor]
         chunks = tuple(tuple(p.shape) for p in level.pieces)
         copies = _opaque.Copies(level.comm.world, chunks, tuple(level.dims), tuple(level.sizes))
         return list(_opaque.CopyOut.apply(buffer, copies))
@@ -314,7 +313,7 @@ def _finish_level(level: _Level, into: Sequence[torch.Tensor] | None = None):
             out = list(_CopyOut.apply(buffer, level.comm.world, chunks, tuple(level.sizes)))
         else:
             out = _refill_rows(into, buffer.view(level.comm.world, -1), chunks)
-        _release([buffer], keep=())
+        _release([buffer], keep=(), traced=traced)
         return out
     rows = buffer.view(level.comm.world, -1)
     shapes = [tuple(p.shape) for p in level.pieces]
@@ -333,7 +332,7 @@ def _finish_level(level: _Level, into: Sequence[torch.Tensor] | None = None):
         full = full if full.shape[d] == n else full.narrow(d, 0, n)
         out.append(full if into is None else _refill(into[len(out)], full))
     if gathered is not None:
-        _release([buffer], keep=out)
+        _release([buffer], keep=out, traced=traced)
     return out
 
 
@@ -414,7 +413,7 @@ def _refill_chunks(target: torch.Tensor, rows: torch.Tensor, chunk_shape, dim: i
     return target
 
 
-def _release(tensors: Sequence[torch.Tensor], keep: Sequence[torch.Tensor]) -> None:
+def _release(tensors: Sequence[torch.Tensor], keep: Sequence[torch.Tensor], traced: bool) -> None:
     """Free the storage of a finished all-gather's output now.
 
     [Note: releasing collective buffers]
@@ -425,7 +424,7 @@ def _release(tensors: Sequence[torch.Tensor], keep: Sequence[torch.Tensor]) -> N
     unless a result is a view of it (single-tensor buckets). (Reduction inputs we own are freed
     the same way when waited: see ``_collectives.wait``.)
     """
-    if compiling():  # traced tensors have no storage: the compiler frees after the last use
+    if traced:  # traced tensors have no storage: the compiler frees after the last use
         return
     kept = {storage_key(t) for t in keep}
     for t in tensors:
@@ -464,12 +463,10 @@ def lower(
         out_dtype = opts.param_dtype or dtypes[idx[0]]
         sharded, replicated = _mesh_dims(lays[0])
         comms = tuple(  # see [Note: order of mesh dims]
-            _comm(lays[0], m, opts, out_dtype, mode.asynchronous and j == 0)
+            _comm(lays[0], m, opts, out_dtype, mode if j == 0 else mode.waited)
             for j, m in enumerate(reversed(sharded))
         )
-        replicas = tuple(
-            _comm(lays[0], r, opts, flat[idx[0]], mode.asynchronous) for r in replicated
-        )
+        replicas = tuple(_comm(lays[0], r, opts, flat[idx[0]], mode) for r in replicated)
         # one rank everywhere, and no expert-parallel mean to divide by
         local = all(c.world == 1 and c.over == 1 for c in (*comms, *replicas))
         post = None
@@ -533,9 +530,8 @@ def issue(
     buckets are gathered from it within their sub-group (a re-gather, without autograd).
     """
     tensors = list(armed) if armed is not None else arm(tensors, lowered)
-    early = lowered.mode is Mode.TRACED
     # see [Note: a gather's copy-in follows the waits before it] in _compile
-    after = after_waits() if early else None
+    after = after_waits() if lowered.mode is Mode.TRACED else None
     started = []
     for j, b in enumerate(lowered.buckets):
         xs = [tensors[i] for i in b.index]
@@ -548,7 +544,7 @@ def issue(
             comm = b.comms[0] if b.comms else b.replicas[0]
             state = [C.one_rank(x, comm) for x in xs]
         elif b.comms:
-            state = _start_level(xs, b.layouts, b.sharded[-1], comms[0], replicas, early, after)
+            state = _start_level(xs, b.layouts, b.sharded[-1], comms[0], replicas, after)
         else:
             flat = torch.cat([x.reshape(-1) for x in xs])
             for r in replicas:
@@ -630,25 +626,28 @@ def scatter(
     layouts: Sequence[Layout],
     out_dtypes: Sequence[torch.dtype],
     opts: Options,
-    async_op: bool = False,
+    mode: Mode,
 ) -> list[torch.Tensor]:
     """Reduce-scatter full (logical) tensors to the local shards described by ``layouts``.
 
     The adjoint of :func:`gather`: sharded mesh dims from the first to the last, then an
-    all-reduce of the (smallest) flat result over replicated mesh dims. Synchronous, unless
-    ``async_op``: then a bucket whose last step is a reduce-scatter already in the results'
-    dtypes returns its results pending (see [Note: pending tensors] in ``_collectives``: the
-    caller waits each with ``wait``). Outside autograd the concatenated input is donated.
+    all-reduce of the (smallest) flat result over replicated mesh dims, in ``mode`` (the call's):
+    synchronous, unless collectives may stay pending there; then a bucket whose last step is a
+    reduce-scatter already in the results' dtypes returns its results pending (see [Note:
+    pending tensors] in ``_collectives``: the caller waits each with ``wait``). Outside autograd
+    the concatenated input is donated.
     """
     out: list[torch.Tensor | None] = [None] * len(fulls)
     for idx in _buckets([t.dtype for t in fulls], layouts):
         xs, lays = [fulls[i] for i in idx], [layouts[i] for i in idx]
         sharded, replicated = _mesh_dims(lays[0])
-        red = _comm(lays[0], 0, opts, xs[0].dtype, False).reduce_dtype
-        pending = async_op and not replicated and all(out_dtypes[i] == red for i in idx)
+        red = _comm(lays[0], 0, opts, xs[0].dtype, mode).reduce_dtype
+        pending = mode.asynchronous and not replicated and all(out_dtypes[i] == red for i in idx)
         for j, m in enumerate(sharded):
             last = j == len(sharded) - 1
-            comm = _comm(lays[0], m, opts, xs[0].dtype, pending and last, j == 0)
+            comm = _comm(
+                lays[0], m, opts, xs[0].dtype, mode if pending and last else mode.waited, j == 0
+            )
             dims = [lay.dim(m) for lay in lays]
             chunks = [-(-x.shape[d] // comm.world) for x, d in zip(xs, dims, strict=True)]
             rows = [
@@ -658,7 +657,7 @@ def scatter(
             flat = torch.cat(rows, dim=1).reshape(-1)
             flat = C.ReduceScatter.apply(flat, comm, red, not torch.is_grad_enabled())
             if last:
-                flat = _all_reduce(flat, lays[0], replicated, opts)
+                flat = _all_reduce(flat, lays[0], replicated, opts, mode.waited)
             shapes = [
                 (*x.shape[:d], c, *x.shape[d + 1 :])
                 for x, d, c in zip(xs, dims, chunks, strict=True)
@@ -667,17 +666,19 @@ def scatter(
             xs = _split(flat, shapes, dims, sizes)
         if not sharded:
             flat = torch.cat([x.reshape(-1) for x in xs]).to(red)
-            flat = _all_reduce(flat, lays[0], replicated, opts, first=True)
+            flat = _all_reduce(flat, lays[0], replicated, opts, mode.waited, first=True)
             xs = _split(flat, [x.shape for x in xs], [None] * len(xs), [None] * len(xs))
         for i, x in zip(idx, xs, strict=True):
             out[i] = x.to(out_dtypes[i])
     return out  # type: ignore[return-value]
 
 
-def _all_reduce(flat, layout: Layout, mesh_dims, opts: Options, first=False) -> torch.Tensor:
+def _all_reduce(
+    flat, layout: Layout, mesh_dims, opts: Options, mode: Mode, first=False
+) -> torch.Tensor:
     """All-reduce over ``mesh_dims`` in order; ``first``: the first of them is the first
     reduction of the gradient (see :func:`_comm`)."""
     for i, m in enumerate(mesh_dims):
-        comm = _comm(layout, m, opts, flat.dtype, False, first and i == 0)
+        comm = _comm(layout, m, opts, flat.dtype, mode, first and i == 0)
         flat = C.AllReduce.apply(flat, comm)
     return flat

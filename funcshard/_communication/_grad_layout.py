@@ -198,6 +198,5 @@ class _Capture(torch.autograd.Function):
         ref, ids, layouts, dtypes, opts = ctx.info
         into = ref()
         if into is not None:
-            pending = Mode.now().asynchronous
-            into.add(ids, _flat.scatter(list(grads), layouts, dtypes, opts, pending))
+            into.add(ids, _flat.scatter(list(grads), layouts, dtypes, opts, Mode.now()))
         return (None, None, *(None for _ in grads))

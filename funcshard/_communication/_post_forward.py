@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .._runtime._compile import untraced
+from .._runtime._mode import Mode
 from . import _collectives as C
 
 # (default group, mesh ranks, mesh shape, mesh dim, N) -> this rank's sub-group and its index
@@ -88,7 +89,7 @@ def post(comm: C.Comm, mesh, mesh_dim: int, n: int) -> Post | None:
     if n <= 1 or n >= comm.world:
         return None
     group, index = subgroup(mesh, mesh_dim, n)
-    return Post(C.Comm(group, n, comm.label, async_op=True), index, comm.world)
+    return Post(C.Comm(group, n, comm.label, mode=Mode.EAGER), index, comm.world)
 
 
 def subgroup(mesh, mesh_dim: int, n: int) -> tuple[dist.ProcessGroup, int]:

@@ -119,6 +119,14 @@ class Mode(enum.Enum):
         return Mode.CAPTURED if capturing() else Mode.EAGER
 
     @property
+    def waited(self) -> Mode:
+        """The mode of a collective that must complete before the call goes on (the later
+        collectives of a chain, a gather of empty shards): where collectives may stay pending
+        (``EAGER``, ``CAPTURED``), plain autograd's synchronous way (``ANOMALY``'s: the same ops,
+        waited at once); the other modes wait already."""
+        return Mode.ANOMALY if self.asynchronous else self
+
+    @property
     def asynchronous(self) -> bool:
         """Collectives may return pending tensors (see [Note: pending tensors] in
         ``_collectives``)."""

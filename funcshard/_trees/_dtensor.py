@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
@@ -60,17 +61,46 @@ def _as_dtensor(local: torch.Tensor, spec) -> DTensor:
     building the DTensor from its spec costs about 25 us. ``DTensorSpec`` / ``TensorMeta`` are
     private: ``tests/test_func_direct.py`` compares the result with ``from_local``'s, so that a
     torch upgrade that changes them fails there.
+
+    [Note: one DTensorSpec per layout]
+    The ``DTensorSpec`` is made once per layout and dtype and shared (DTensor's own operators
+    share their inputs' specs too): building one is most of a wrapping's cost, and tensors of
+    the same layout -- a parameter, its gradient, its optimizer states -- then have the same
+    spec object, which is how the optimizer checks "placed like the parameter" in one identity
+    test (see [Note: the common step checked in one pass] in ``optim/_adam_sgd``).
     """
-    meta = TensorMeta(torch.Size(spec.shape), tuple(spec.stride), local.dtype)
-    dspec = DTensorSpec(spec.mesh, tuple(spec.placements), tensor_meta=meta)
-    return DTensor(local.detach(), dspec, requires_grad=False)
+    return DTensor(local.detach(), _dtensor_spec(spec, local.dtype), requires_grad=False)
+
+
+# (ShardSpec, dtype) -> its DTensorSpec. Checked for the mesh's identity: two meshes of the
+# same ranks compare equal (a fake world's and a real one, or one made again after a group was
+# destroyed), and a DTensor must keep its own.
+_SPECS: dict[tuple[Any, torch.dtype], DTensorSpec] = {}
+_SPECS_KEPT = 4096
+
+
+def _dtensor_spec(spec, dtype: torch.dtype) -> DTensorSpec:
+    """The shared ``DTensorSpec`` of ``spec`` (a ``ShardSpec``) and ``dtype`` (see [Note: one
+    DTensorSpec per layout])."""
+    key = (spec, dtype)
+    found = _SPECS.get(key)
+    if found is None or found.mesh is not spec.mesh:
+        if len(_SPECS) >= _SPECS_KEPT:
+            _SPECS.clear()
+        meta = TensorMeta(torch.Size(spec.shape), tuple(spec.stride), dtype)
+        found = _SPECS[key] = DTensorSpec(spec.mesh, tuple(spec.placements), tensor_meta=meta)
+    return found
 
 
 def placed_like(local: torch.Tensor, like: DTensor) -> DTensor:
     """``local`` as a DTensor placed like ``like`` (its mesh, placements, global shape and
-    stride; ``local``'s dtype): see [Note: DTensors built from their spec]."""
-    meta = TensorMeta(like.shape, like.stride(), local.dtype)
-    dspec = DTensorSpec(like.device_mesh, like.placements, tensor_meta=meta)
+    stride; ``local``'s dtype): see [Note: DTensors built from their spec]. Of ``like``'s dtype,
+    it shares ``like``'s spec (see [Note: one DTensorSpec per layout])."""
+    if local.dtype == like.dtype:
+        dspec = like._spec
+    else:
+        meta = TensorMeta(like.shape, like.stride(), local.dtype)
+        dspec = DTensorSpec(like.device_mesh, like.placements, tensor_meta=meta)
     return DTensor(local.detach(), dspec, requires_grad=False)
 
 

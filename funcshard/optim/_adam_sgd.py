@@ -30,7 +30,9 @@ import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import optree
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam as torch_adam
 from torch.optim.optimizer import _get_capturable_supported_devices, _get_scalar_dtype
 from torch.optim.sgd import sgd as torch_sgd
@@ -39,7 +41,15 @@ from .._runtime._compile import compiling
 from .._runtime._mode import capturing
 from .._trees._tree import PyTree, flatten, map_with_path, unflatten
 from . import _opaque as opaque
-from ._base import EmptyState, GradientTransformation, check_like, leaves_like, local, wrap
+from ._base import (
+    EmptyState,
+    GradientTransformation,
+    check_like,
+    leaves_like,
+    local,
+    locals_of,
+    wrap,
+)
 from ._masked import Mask, resolve
 
 # a number, a 0-dim tensor (read at every step, as torch.optim reads a tensor lr), or a schedule:
@@ -217,8 +227,7 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
     @torch.no_grad()
     def update(grads, state, params=None, inplace=False):
         s, _ = _pair("add_decayed_weights", grads, params)
-        gs = [local(s.grads[i]) for i in s.active]
-        ps = [local(s.params[i]) for i in s.active]
+        gs, ps = locals_of(s.grads, s.active), locals_of(s.params, s.active)
         if inplace:
             torch._foreach_add_(gs, ps, alpha=weight_decay)
         else:
@@ -235,31 +244,57 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
     )
 
 
-class _Pairs(NamedTuple):
-    paths: list[str]
+@dataclasses.dataclass
+class _Pairs:
     spec: Any
     params: list[Any]
     grads: list[Any]
     active: list[int]  # leaves with a gradient
+    tree: PyTree  # the params as given: its key paths are read only for an error
+
+    @functools.cached_property
+    def paths(self) -> list[str]:
+        return flatten(self.tree, none_is_leaf=True)[0]
 
 
 def _pair(fn: str, grads, params, state: dict | None = None) -> tuple[_Pairs, dict[str, list]]:
     """Grads, params and state trees paired leaf by leaf (the state's as ``{field: leaves}``),
-    with their layouts checked."""
+    with their layouts checked.
+
+    [Note: the common step checked in one pass]
+    A training step passes the gradients of ``fs.value_and_grad`` and the state of ``init``:
+    DTensors that share their parameter's spec (see [Note: one DTensorSpec per layout] in
+    ``_trees/_dtensor``: the spec holds the global shape, stride, placements and dtype), so
+    "placed like the parameter" is one identity test per leaf. Those leaves are checked inline
+    and the trees are flattened without their key paths; only a leaf of another kind goes
+    through :func:`check_like`, and the key paths are read only when one is. On a host-bound
+    step this was most of the optimizer's Python."""
     if params is None:
         raise ValueError(
             f"{fn}: update needs params (torch's kernels compute the update from them): "
             "call opt.update(grads, state, params)."
         )
-    paths, ps, spec = flatten(params, none_is_leaf=True)
-    gs = leaves_like(grads, params, "grads", "params")
-    fields = {
-        k: leaves_like(v, params, f"{fn} state.{k}", "params") for k, v in (state or {}).items()
-    }
-    active = []
-    for i, (path, p, g) in enumerate(zip(paths, ps, gs, strict=True)):
+    ps, spec = optree.tree_flatten(params, none_is_leaf=True)
+    pairs = _Pairs(spec, ps, [], [], params)
+    pairs.grads = leaves_of(grads, pairs, "grads", "params")
+    fields = {k: leaves_of(v, pairs, f"{fn} state.{k}", "params") for k, v in (state or {}).items()}
+    columns = list(fields.values())
+    active, odd = pairs.active, []
+    for i, (p, g) in enumerate(zip(ps, pairs.grads, strict=True)):
         if g is None:
             continue
+        active.append(i)
+        s = p._spec if type(p) is DTensor else None  # see [Note: the common step checked ...]
+        if s is None or type(g) is not DTensor or g._spec is not s:
+            odd.append(i)
+            continue
+        for column in columns:
+            x = column[i]
+            if type(x) is not DTensor or x._spec is not s:
+                odd.append(i)
+                break
+    for i in odd:
+        p, g, path = ps[i], pairs.grads[i], pairs.paths[i]
         if p is None:
             raise TypeError(f"{fn}: grads[{path!r}] has no parameter (it is None).")
         for field, leaves in fields.items():
@@ -271,8 +306,19 @@ def _pair(fn: str, grads, params, state: dict | None = None) -> tuple[_Pairs, di
                 )
             check_like(fn, path, leaves[i], p, f"state.{field}", dtype=True)
         check_like(fn, path, g, p, "grads", dtype=True)
-        active.append(i)
-    return _Pairs(paths, spec, ps, gs, active), fields
+    return pairs, fields
+
+
+def leaves_of(tree: PyTree, pairs: _Pairs, what: str, like_what: str) -> list[Any]:
+    """Leaves of ``tree`` (``None`` entries kept) in the order of ``pairs``' parameters.
+
+    Raises:
+        ValueError: the structures differ, naming the keys.
+    """
+    leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
+    if spec == pairs.spec:
+        return leaves
+    return leaves_like(tree, pairs.tree, what, like_what)  # raises, naming the keys
 
 
 def _groups(hp: _Hyper, pairs: _Pairs) -> list[tuple[float, list[int]]]:
@@ -333,12 +379,7 @@ def _adam_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
     targets = _writable(pairs.params, pairs.active, inplace)
     traced = not on_device and isinstance(count, torch.Tensor)  # under torch.compile
     for weight_decay, idx in _groups(hp, pairs):
-        lists = (
-            [local(targets[i]) for i in idx],
-            [local(pairs.grads[i]) for i in idx],
-            [local(mu[i]) for i in idx],
-            [local(nu[i]) for i in idx],
-        )
+        lists = tuple(locals_of(xs, idx) for xs in (targets, pairs.grads, mu, nu))
         leaf_steps = [steps[i] for i in idx]  # incremented by the kernel
         if traced:  # see [Note: the optimizer in a compiled step]
             kw = dict(lr=lr, weight_decay=weight_decay, foreach=hp.foreach, options=hp.options)
@@ -375,7 +416,7 @@ def _sgd_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
     count = _count_of(hp.name, state)
     lr = _lr_at(hp, count)
     fresh = has_momentum and dict(hp.options)["dampening"] != 0 and _first(hp, count)
-    bufs = [None] * len(pairs.paths)
+    bufs = [None] * len(pairs.params)
     if has_momentum:
         bufs = _writable(fields["momentum"], pairs.active, inplace or fresh)
     targets = _writable(pairs.params, pairs.active, inplace)
@@ -384,9 +425,9 @@ def _sgd_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
         # the foreach Nesterov kernel adds into the gradients when there is no weight decay
         copy = not inplace and opts["nesterov"] and weight_decay == 0
         given = [None if fresh or b is None else local(b) for b in (bufs[i] for i in idx)]
-        ps = [local(targets[i]) for i in idx]
+        ps = locals_of(targets, idx)
         if isinstance(count, torch.Tensor):  # see [Note: the optimizer in a compiled step]
-            gs = [local(pairs.grads[i]) for i in idx]
+            gs = locals_of(pairs.grads, idx)
             kw = dict(lr=lr, weight_decay=weight_decay, foreach=hp.foreach, options=opts)
             opaque.sgd(ps, gs, [b for b in given if b is not None], **kw)
             continue
@@ -425,7 +466,7 @@ def _writable(leaves: list, active: list[int], inplace: bool) -> list:
 def _differences(pairs: _Pairs, targets: list) -> PyTree:
     """Updates ``targets - params``, computed in the targets' storage (see
     [Note: updates as differences])."""
-    out: list[Any] = [None] * len(pairs.paths)
+    out: list[Any] = [None] * len(pairs.params)
     for i in pairs.active:
         local(targets[i]).sub_(local(pairs.params[i]))
         out[i] = targets[i]
@@ -433,13 +474,16 @@ def _differences(pairs: _Pairs, targets: list) -> PyTree:
 
 
 def _no_updates(pairs: _Pairs) -> PyTree:
-    return unflatten(pairs.spec, [None] * len(pairs.paths))
+    return unflatten(pairs.spec, [None] * len(pairs.params))
 
 
 @torch.no_grad()
 def _zeros(params: PyTree) -> PyTree:
+    """Zeros like each floating-point parameter (placed like it: its own spec, see [Note: one
+    DTensorSpec per layout] in ``_trees/_dtensor``), ``None`` for the others."""
     return map_with_path(
-        lambda _, p: torch.zeros_like(p) if p.is_floating_point() else None, params
+        lambda _, p: wrap(torch.zeros_like(local(p)), p) if p.is_floating_point() else None,
+        params,
     )
 
 
@@ -587,9 +631,7 @@ def _first(hp: _Hyper, count) -> bool:
 
 def _leaf_steps(name: str, state: AdamState, pairs: _Pairs) -> list:
     """The state's per-leaf step counts in ``pairs``' order, checked to be 0-dim tensors."""
-    steps = leaves_like(
-        state.steps, unflatten(pairs.spec, pairs.params), f"{name} state.steps", "params"
-    )
+    steps = leaves_of(state.steps, pairs, f"{name} state.steps", "params")
     for i in pairs.active:
         t = steps[i]
         if not isinstance(t, torch.Tensor) or t.ndim != 0 or not t.is_floating_point():

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import optree
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -81,6 +82,18 @@ def local(x: torch.Tensor) -> torch.Tensor:
     if not isinstance(x, DTensor):
         return x
     return x.to_local() if compiling() else _local_shard(x)
+
+
+def locals_of(xs: list, idx: list[int]) -> list[torch.Tensor]:
+    """:func:`local` of ``xs[i]`` for each ``i`` in ``idx``, with the mode asked once per list."""
+    if compiling():
+        return [local(xs[i]) for i in idx]
+    return [x._local_tensor if type(x) is DTensor else x for x in (xs[i] for i in idx)]
+
+
+def _spec(x: Any) -> Any:
+    """A DTensor's spec (see [Note: one DTensorSpec per layout] in ``_trees/_dtensor``)."""
+    return x._spec if type(x) is DTensor else None
 
 
 def wrap(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -154,10 +167,14 @@ def apply_updates(params: PyTree, updates: PyTree, *, inplace: bool = False) -> 
             parameter's; TypeError: an update for a ``None`` parameter, or a DTensor update for
             a plain parameter (or the reverse).
     """
-    paths, ps, spec = flatten(params, none_is_leaf=True)
-    us = leaves_like(updates, params, "updates", "params")
+    ps, spec = optree.tree_flatten(params, none_is_leaf=True)
+    us, found = optree.tree_flatten(updates, none_is_leaf=True)
+    if found != spec:
+        leaves_like(updates, params, "updates", "params")  # raises, naming the keys
     todo = [i for i, u in enumerate(us) if u is not None]
-    for i in todo:
+    odd = [i for i in todo if type(us[i]) is not DTensor or us[i]._spec is not _spec(ps[i])]
+    paths = flatten(params, none_is_leaf=True)[0] if odd else []  # for the errors only
+    for i in odd:
         if ps[i] is None:
             raise TypeError(f"apply_updates: updates[{paths[i]!r}] has no parameter (it is None).")
         check_like("apply_updates", paths[i], us[i], ps[i], "updates")

@@ -7,6 +7,7 @@ import torch
 from .._communication import _counts, _flat
 from .._communication._consensus import failing
 from .._runtime._compile import traced
+from .._runtime._mode import Mode
 from .._trees._dtensor import dtensors_of, unwrap
 from .._trees._parallel import model_local
 from .._trees._spec import LocalShard, ShardSpec, spec_of
@@ -78,7 +79,8 @@ def reduce(
         wire = ("grad_dtypes", tuple(fulls[i].dtype for i in given))
         counts = _counts.agree("reduce", op, count, None, entries, (*opts.key(), wire))
         opts = opts.counted(counts)
-    reduced = _flat.scatter([fulls[i] for i in given], layouts, dtypes, opts) if given else []
+    mode = Mode.now().waited
+    reduced = _flat.scatter([fulls[i] for i in given], layouts, dtypes, opts, mode) if given else []
     outs: list = [None] * len(fulls)
     for i, out in zip(given, _like(reduced, [like_leaves[i] for i in given]), strict=True):
         outs[i] = out
