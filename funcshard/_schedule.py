@@ -423,7 +423,9 @@ class _Group:
         return self.state is State.IN_FLIGHT
 
     def arm(self) -> None:
-        if self.raw is None and self.armed is None:
+        """Arm the first gather (see ``_flat.arm``), unless armed already or issued (a prefetch
+        issued before the current group's compute armed it then)."""
+        if self.raw is None and self.armed is None and self.state is State.SHARDED:
             self.armed = _flat.arm(self.locals, self.lowered)
 
     def issue(self) -> None:
