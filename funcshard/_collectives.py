@@ -289,6 +289,12 @@ def _all_reduce(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     return wait(y).to(x.dtype)
 
 
+def alias(x: torch.Tensor) -> torch.Tensor:
+    """A view of all of ``x``: what a Function returns for an input it passes on unchanged.
+    One ATen operation (``view_as`` dispatches two: itself and the ``view`` it calls)."""
+    return x.view(x.shape)
+
+
 def _moved(x: torch.Tensor, bdim: int | None, size: int) -> torch.Tensor:
     return x.expand(size, *x.shape) if bdim is None else x.movedim(bdim, 0)
 
@@ -336,8 +342,8 @@ def start_all_gather(comm: Comm, pieces, after: torch.Tensor | None = None) -> S
     dtype = comm.gather_dtype or pieces[0].dtype
     output = torch.empty(comm.world * size, dtype=dtype, device=pieces[0].device)
     slot = output.narrow(0, dist.get_rank(comm.group) * size, size)
-    with torch.no_grad():
-        torch._foreach_copy_(list(slot.split(numels)), [p.detach().reshape(-1) for p in pieces])
+    with torch.no_grad():  # no history: the pieces' flat views need no detach
+        torch._foreach_copy_(list(slot.split(numels)), [_flat_view(p) for p in pieces])
     if comm.world == 1:  # see [Note: one rank communicates nothing]
         return Started(output, None)
     _debug.check("all_gather", comm.group, comm.label, slot)
@@ -347,6 +353,12 @@ def start_all_gather(comm: Comm, pieces, after: torch.Tensor | None = None) -> S
         del _UNFINISHED[key]  # left by a call an error cut short, and finished since
     _UNFINISHED[id(work)] = work
     return Started(output, work)
+
+
+def _flat_view(x: torch.Tensor) -> torch.Tensor:
+    """``x.reshape(-1)`` in one ATen operation where ``x`` is contiguous (``reshape`` dispatches
+    two: itself and the ``view`` it calls)."""
+    return x.view(-1) if x.is_contiguous() else x.reshape(-1)
 
 
 # [Note: no collective of ours in flight at exit]
@@ -522,7 +534,7 @@ class OneRank(_Function):
     @staticmethod
     def forward(x: torch.Tensor, comm: Comm) -> torch.Tensor:
         dtype = comm.gather_dtype or x.dtype
-        return x.view_as(x) if x.dtype == dtype else x.to(dtype)
+        return alias(x) if x.dtype == dtype else x.to(dtype)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -576,7 +588,7 @@ class Broadcast(_Function):
 
     @staticmethod
     def forward(x: torch.Tensor, comm: Comm) -> torch.Tensor:
-        return wait(x).view_as(x)
+        return alias(wait(x))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -588,7 +600,7 @@ class Broadcast(_Function):
 
     @staticmethod
     def jvp(ctx, t, _):
-        return t.view_as(t)
+        return alias(t)
 
     @staticmethod
     def vmap(info, in_dims, x, comm):
@@ -626,7 +638,7 @@ class Notify(_Function):
 
     @staticmethod
     def forward(callback, *xs):
-        return tuple(x.view_as(x) for x in xs)
+        return tuple(alias(x) for x in xs)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -641,7 +653,7 @@ class Notify(_Function):
 
     @staticmethod
     def jvp(ctx, _, *tangents):
-        return tuple(t.view_as(t) for t in tangents)
+        return tuple(alias(t) for t in tangents)
 
 
 def waiting(label: str):

@@ -303,7 +303,10 @@ def _finish_level(level: _Level, into: Sequence[torch.Tensor] | None = None):
     tensors instead (refilling freed storage), straight from the buffer when no padding is cut
     off, else through one parameter-sized temporary at a time."""
     gathered = level.started.wait() if level.started is not None else None
-    buffer = C.AllGather.apply(level.comm, level.replicas, gathered, *level.pieces)
+    if gathered is not None and not torch.is_grad_enabled() and not compiling():
+        buffer = gathered  # what AllGather returns, without its node (a re-gather's refill)
+    else:
+        buffer = C.AllGather.apply(level.comm, level.replicas, gathered, *level.pieces)
     if gathered is not None and compiling():  # see [Note: one operation per group, not per tensor]
         chunks = tuple(tuple(p.shape) for p in level.pieces)
         copies = _opaque.Copies(level.comm.world, chunks, tuple(level.dims), tuple(level.sizes))
@@ -358,13 +361,15 @@ class _CopyOut(C._Function):
     def forward(buffer: torch.Tensor, world: int, chunks, sizes):
         numels = [math.prod(c) for c in chunks]
         flat = buffer.new_empty(world * sum(numels))
-        padded = flat.split([world * n for n in numels])
-        rows = [p.view(world, n) for p, n in zip(padded, numels, strict=True)]
+        # each piece's padded full tensor at its offset in ``flat``, seen as its [W, n] rows and
+        # as the full tensor (narrowed to its size): one view each, made from ``flat`` directly
+        rows, fulls, at = [], [], 0
+        for c, n, size in zip(chunks, numels, sizes, strict=True):
+            rows.append(flat.as_strided((world, n), (n, 1), at))
+            strides = _contiguous_strides((world * c[0], *c[1:]))
+            fulls.append(flat.as_strided((size, *c[1:]), strides, at))
+            at += world * n
         torch.split_with_sizes_copy(buffer.view(world, -1), numels, dim=1, out=rows)
-        fulls = []
-        for p, c, n in zip(padded, chunks, sizes, strict=True):
-            full = p.view(world * c[0], *c[1:])
-            fulls.append(full if n == full.shape[0] else full.narrow(0, 0, n))
         return tuple(fulls)
 
     @staticmethod
@@ -381,6 +386,16 @@ class _CopyOut(C._Function):
             n = math.prod(c)
             rows.append(g.view(world, n) if g.is_contiguous() else g.reshape(world, n))
         return torch.cat(rows, dim=1).view(-1), None, None, None
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``, as torch computes them (a dim of size 0
+    counts as 1)."""
+    strides, at = [], 1
+    for n in reversed(shape):
+        strides.append(at)
+        at *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def _refill_rows(targets: Sequence[torch.Tensor], rows: torch.Tensor, chunks) -> list:

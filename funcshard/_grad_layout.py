@@ -187,7 +187,7 @@ class _Capture(torch.autograd.Function):
 
     @staticmethod
     def forward(info, anchor, *fulls):
-        return tuple(f.view_as(f) for f in fulls)
+        return tuple(C.alias(f) for f in fulls)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
