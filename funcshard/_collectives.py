@@ -205,7 +205,7 @@ def _issued(y: torch.Tensor) -> torch.Tensor:
 
 
 def _flat_pieces(pieces, dim: int, dtype) -> torch.Tensor:
-    return torch.cat([p.flatten(dim).to(dtype) for p in pieces], dim=dim)
+    return torch.cat([cast(p.flatten(dim), dtype) for p in pieces], dim=dim)
 
 
 def _keep_pieces(g: torch.Tensor, shapes, keep, comm: Comm) -> torch.Tensor:
@@ -219,13 +219,32 @@ def _keep_pieces(g: torch.Tensor, shapes, keep, comm: Comm) -> torch.Tensor:
 
 
 def _split_pieces(flat: torch.Tensor, shapes, dim: int) -> list[torch.Tensor]:
+    """``flat`` (``[..., S]``, batch dims before ``dim``) split into pieces of ``shapes``.
+    Eagerly, unbatched, one view per piece made from ``flat`` (a split and a view cost two)."""
     numels = [math.prod(s[dim:]) for s in shapes]
+    if dim == 0 and flat.is_contiguous() and not (transformed() or compiling()):
+        at, out = flat.storage_offset(), []
+        for s, n in zip(shapes, numels, strict=True):
+            out.append(flat.as_strided(s, contiguous_strides(s), at))
+            at += n
+        return out
     return [f.view(s) for f, s in zip(flat.split(numels, dim=dim), shapes, strict=True)]
+
+
+def contiguous_strides(shape) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``, as torch computes them (a dim of size 0
+    counts as 1)."""
+    strides, at = [], 1
+    for n in reversed(shape):
+        strides.append(at)
+        at *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def _all_gather(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """Gather ``x`` along ``comm.dim`` (synchronously unless ``dim == 0`` and async)."""
-    x = wait(x).to(comm.gather_dtype or x.dtype)
+    x = wait(x)
+    x = cast(x, comm.gather_dtype or x.dtype)
     if comm.world == 1:  # see [Note: one rank communicates nothing]
         return x
     _debug.check("all_gather", comm.group, comm.label, x)  # see [Note: checked collectives]
@@ -240,7 +259,7 @@ def _all_gather(x: torch.Tensor, comm: Comm) -> torch.Tensor:
 def _reduce_scatter(x, comm: Comm, out_dtype: torch.dtype, donated: bool) -> torch.Tensor:
     x, ours = _reduce_input(wait(x), comm, donated)
     if comm.world == 1:  # see [Note: one rank communicates nothing]
-        return x.to(out_dtype)
+        return cast(x, out_dtype)
     d, w = comm.dim, comm.world
     if d != 0:  # [A, W*c, B] -> [W*A, c, B]: rank r's chunk is contiguous, returns as [A, c, B]
         x = x.unflatten(d, (w, x.shape[d] // w)).movedim(d, 0).flatten(0, 1).contiguous()
@@ -252,7 +271,7 @@ def _reduce_scatter(x, comm: Comm, out_dtype: torch.dtype, donated: bool) -> tor
             x.untyped_storage().resize_(0)  # see [Note: gloo copies reduce-scatter inputs]
             ours = False
         return _pending_or_waited(y, comm, x if ours else None)
-    return wait(y).to(out_dtype)
+    return cast(wait(y), out_dtype)
 
 
 def copies_reduce_scatter_input(group: dist.ProcessGroup, device_type: str) -> bool:
@@ -280,13 +299,19 @@ def _all_reduce(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     x = wait(x)
     y, _ = _reduce_input(x, comm, False)
     if comm.world == 1:  # see [Note: one rank communicates nothing]
-        return y.to(x.dtype)
+        return cast(y, x.dtype)
     _debug.check("all_reduce", comm.group, comm.label, y)
     with span("all_reduce", comm.label):
         y = _issued(_ops.all_reduce(y, "sum", comm.group.group_name))
     if comm.async_op and y.dtype == x.dtype and y.numel():
         return y
-    return wait(y).to(x.dtype)
+    return cast(wait(y), x.dtype)
+
+
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)`` without dispatching ``aten::to`` when ``x`` has that dtype already (``to``
+    returns ``x`` itself then, as this does)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def alias(x: torch.Tensor) -> torch.Tensor:
@@ -521,7 +546,7 @@ def one_rank(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     the gradient as the reduction would."""
     gather = comm.gather_dtype or x.dtype
     if comm.reduce_dtype in (None, gather, x.dtype):
-        return x.to(gather)
+        return cast(x, gather)
     return OneRank.apply(x, comm)
 
 
@@ -542,7 +567,7 @@ class OneRank(_Function):
 
     @staticmethod
     def backward(ctx, g):
-        return g.to(ctx.comm.reduce_dtype or g.dtype).to(ctx.dtype), None
+        return cast(cast(g, ctx.comm.reduce_dtype or g.dtype), ctx.dtype), None
 
     @staticmethod
     def jvp(ctx, t, _):

@@ -366,7 +366,7 @@ class _CopyOut(C._Function):
         rows, fulls, at = [], [], 0
         for c, n, size in zip(chunks, numels, sizes, strict=True):
             rows.append(flat.as_strided((world, n), (n, 1), at))
-            strides = _contiguous_strides((world * c[0], *c[1:]))
+            strides = C.contiguous_strides((world * c[0], *c[1:]))
             fulls.append(flat.as_strided((size, *c[1:]), strides, at))
             at += world * n
         torch.split_with_sizes_copy(buffer.view(world, -1), numels, dim=1, out=rows)
@@ -386,16 +386,6 @@ class _CopyOut(C._Function):
             n = math.prod(c)
             rows.append(g.view(world, n) if g.is_contiguous() else g.reshape(world, n))
         return torch.cat(rows, dim=1).view(-1), None, None, None
-
-
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape``, as torch computes them (a dim of size 0
-    counts as 1)."""
-    strides, at = [], 1
-    for n in reversed(shape):
-        strides.append(at)
-        at *= max(n, 1)
-    return tuple(reversed(strides))
 
 
 def _refill_rows(targets: Sequence[torch.Tensor], rows: torch.Tensor, chunks) -> list:
@@ -524,7 +514,7 @@ def arm(tensors: Sequence[torch.Tensor], lowered: Lowered) -> list[torch.Tensor]
     cast comes first. A local group has nothing pending: no wait node.
     """
     dtypes = lowered.flat_dtypes
-    cast = [x if x.dtype == d else x.to(d) for x, d in zip(tensors, dtypes, strict=True)]
+    cast = [C.cast(x, d) for x, d in zip(tensors, dtypes, strict=True)]
     if not lowered.mode.asynchronous or lowered.local or not torch.is_grad_enabled():
         return cast
     return list(C.Notify.apply(C.waiting(lowered.opts.label), *cast))
@@ -629,7 +619,7 @@ def finish(inflight: Inflight, into: Sequence[torch.Tensor] | None = None) -> li
         elif targets is not None:
             fulls = [_refill(t, f) for t, f in zip(targets, fulls, strict=True)]
         for i, full in zip(b.index, fulls, strict=True):
-            out[i] = full if full.dtype == b.out_dtype else full.to(b.out_dtype)
+            out[i] = C.cast(full, b.out_dtype)
     return out  # type: ignore[return-value]
 
 
@@ -681,11 +671,11 @@ def scatter(
             sizes = [lay.levels[m + 1][d] for lay, d in zip(lays, dims, strict=True)]
             xs = _split(flat, shapes, dims, sizes)
         if not sharded:
-            flat = torch.cat([x.reshape(-1) for x in xs]).to(red)
+            flat = C.cast(torch.cat([x.reshape(-1) for x in xs]), red)
             flat = _all_reduce(flat, lays[0], replicated, opts, first=True)
             xs = _split(flat, [x.shape for x in xs], [None] * len(xs), [None] * len(xs))
         for i, x in zip(idx, xs, strict=True):
-            out[i] = x.to(out_dtypes[i])
+            out[i] = C.cast(x, out_dtypes[i])
     return out  # type: ignore[return-value]
 
 
