@@ -366,9 +366,14 @@ def start_all_gather(comm: Comm, pieces, after: torch.Tensor | None = None) -> S
     size = sum(numels)
     dtype = comm.gather_dtype or pieces[0].dtype
     output = torch.empty(comm.world * size, dtype=dtype, device=pieces[0].device)
-    slot = output.narrow(0, dist.get_rank(comm.group) * size, size)
-    with torch.no_grad():  # no history: the pieces' flat views need no detach
-        torch._foreach_copy_(list(slot.split(numels)), [_flat_view(p) for p in pieces])
+    at = dist.get_rank(comm.group) * size
+    slot = output.narrow(0, at, size)
+    slots = []  # each piece's place in the slot, in the piece's shape: one view each
+    for p, n in zip(pieces, numels, strict=True):
+        slots.append(output.as_strided(p.shape, contiguous_strides(p.shape), at))
+        at += n
+    with torch.no_grad():  # the output records no history
+        torch._foreach_copy_(slots, list(pieces))
     if comm.world == 1:  # see [Note: one rank communicates nothing]
         return Started(output, None)
     _debug.check("all_gather", comm.group, comm.label, slot)
@@ -378,12 +383,6 @@ def start_all_gather(comm: Comm, pieces, after: torch.Tensor | None = None) -> S
         del _UNFINISHED[key]  # left by a call an error cut short, and finished since
     _UNFINISHED[id(work)] = work
     return Started(output, work)
-
-
-def _flat_view(x: torch.Tensor) -> torch.Tensor:
-    """``x.reshape(-1)`` in one ATen operation where ``x`` is contiguous (``reshape`` dispatches
-    two: itself and the ``view`` it calls)."""
-    return x.view(-1) if x.is_contiguous() else x.reshape(-1)
 
 
 # [Note: no collective of ours in flight at exit]
