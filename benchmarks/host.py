@@ -165,6 +165,11 @@ def aten_ops(step, tokens) -> collections.Counter:
     return collections.Counter(e.name for e in prof.events() if e.name.startswith("aten::"))
 
 
+def aten_calls(step, tokens) -> int:
+    """How many ATen operations one call of ``step(tokens)`` dispatches (:func:`aten_ops`)."""
+    return aten_ops(step, tokens).total()
+
+
 def measure(mesh, depths=(4, 16), rounds: int = 30, warmup: int = 5) -> dict[str, Any]:
     """Median wall and thread-CPU ms per step for each framework and depth, alternating."""
     tokens = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
@@ -194,7 +199,7 @@ def measure(mesh, depths=(4, 16), rounds: int = 30, warmup: int = 5) -> dict[str
         }
     for name in FRAMEWORKS:  # the deterministic part: operations the host dispatches
         ops = {d: aten_ops(steps[(name, d)], tokens) for d in depths}
-        calls = {d: ops[d].total() for d in depths}
+        calls = {d: ops[d].total() for d in depths}  # aten_calls
         rows[name]["aten_calls_per_step"] = calls
         rows[name]["aten_calls_per_block"] = (calls[hi] - calls[lo]) / (hi - lo)
         per_block = {op: (ops[hi][op] - ops[lo][op]) / (hi - lo) for op in ops[hi] | ops[lo]}
