@@ -298,10 +298,11 @@ def _start_level(
     return _Level(padded, comm, tuple(replicas), started, dims, sizes)
 
 
-def _finish_level(level: _Level, into: Sequence[torch.Tensor] | None = None):
+def _finish_level(level: _Level, into: Sequence[torch.Tensor] | None = None, then=None):
     """Wait, record the autograd node and copy out; with ``into``, copy each result into those
     tensors instead (refilling freed storage), straight from the buffer when no padding is cut
-    off, else through one parameter-sized temporary at a time."""
+    off, else through one parameter-sized temporary at a time. ``then``: the post-backward
+    callback of :class:`_CopyOut` (only where the level takes that path: :func:`_copies_once`)."""
     gathered = level.started.wait() if level.started is not None else None
     if gathered is not None and not torch.is_grad_enabled() and not compiling():
         buffer = gathered  # what AllGather returns, without its node (a re-gather's refill)
@@ -314,7 +315,8 @@ def _finish_level(level: _Level, into: Sequence[torch.Tensor] | None = None):
     if gathered is not None and not any(level.dims):  # see [Note: one copy-out per bucket]
         chunks = tuple(tuple(p.shape) for p in level.pieces)
         if into is None:
-            out = list(_CopyOut.apply(buffer, level.comm.world, chunks, tuple(level.sizes)))
+            world, sizes = level.comm.world, tuple(level.sizes)
+            out = list(_CopyOut.apply(buffer, world, chunks, sizes, then))
         else:
             out = _refill_rows(into, buffer.view(level.comm.world, -1), chunks)
         _release([buffer], keep=())
@@ -355,10 +357,17 @@ class _CopyOut(C._Function):
     reduce-scatter takes. The full tensors share the buffer's storage: the scheduler frees and
     refills it once per bucket (its storages are found by address). Other layouts, ``torch.func``
     transforms and ``torch.compile`` take the general path (the latter ``_opaque.CopyOut``).
+
+    [Note: the copy-out node is the post-backward node]
+    This node's backward runs when autograd has the gradients of all of its full tensors: where
+    the scheduler's post-backward callback must run (``Notify`` on the group's full tensors,
+    which costs a view per parameter per step). Where a group's gather is this one node (one
+    bucket, gathered over one mesh dim, its gradients not captured for ZeRO-2), the node runs
+    the callback itself (``then``, see :func:`finish_notifying`), before it concatenates.
     """
 
     @staticmethod
-    def forward(buffer: torch.Tensor, world: int, chunks, sizes):
+    def forward(buffer: torch.Tensor, world: int, chunks, sizes, then=None):
         numels = [math.prod(c) for c in chunks]
         flat = buffer.new_empty(world * sum(numels))
         # each piece's padded full tensor at its offset in ``flat``, seen as its [W, n] rows and
@@ -374,10 +383,12 @@ class _CopyOut(C._Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _, ctx.world, ctx.chunks, _ = inputs
+        _, ctx.world, ctx.chunks, _, ctx.then = inputs
 
     @staticmethod
     def backward(ctx, *grads):
+        if ctx.then is not None:  # see [Note: the copy-out node is the post-backward node]
+            grads = ctx.then(grads)
         world, rows = ctx.world, []
         for g, c in zip(grads, ctx.chunks, strict=True):
             padded = world * c[0]
@@ -385,7 +396,7 @@ class _CopyOut(C._Function):
                 g = torch.cat([g, g.new_zeros(padded - g.shape[0], *c[1:])])
             n = math.prod(c)
             rows.append(g.view(world, n) if g.is_contiguous() else g.reshape(world, n))
-        return torch.cat(rows, dim=1).view(-1), None, None, None
+        return torch.cat(rows, dim=1).view(-1), None, None, None, None
 
 
 def _refill_rows(targets: Sequence[torch.Tensor], rows: torch.Tensor, chunks) -> list:
@@ -605,6 +616,34 @@ def finish(inflight: Inflight, into: Sequence[torch.Tensor] | None = None) -> li
     ``into``: tensors of the results' shapes and dtypes to copy the results into (under
     ``no_grad``, keeping their version counters: a re-gather refilling freed storage).
     """
+    return _finish(inflight, into, None)
+
+
+def finish_notifying(inflight: Inflight, then) -> tuple[list[torch.Tensor], bool]:
+    """:func:`finish`, and whether the gather's own node runs ``then`` (a post-backward callback,
+    as ``Notify``'s) when the results' gradients are complete: where the gather is one
+    :class:`_CopyOut` (see [Note: the copy-out node is the post-backward node]). If not, the
+    caller puts its ``Notify`` on the results."""
+    once = _copies_once(inflight)
+    return _finish(inflight, None, then if once else None), once
+
+
+def _copies_once(inflight: Inflight) -> bool:
+    """Whether the gather is one :class:`_CopyOut` node: one bucket, gathered over one mesh dim,
+    issued (not under ``torch.compile``), every piece sharded on dim 0."""
+    if len(inflight.buckets) != 1 or compiling():
+        return False
+    started = inflight.buckets[0]
+    level = started.state
+    return (
+        isinstance(level, _Level)
+        and len(started.bucket.sharded) == 1
+        and level.started is not None
+        and not any(level.dims)
+    )
+
+
+def _finish(inflight: Inflight, into, then) -> list[torch.Tensor]:
     out: list[torch.Tensor | None] = [None] * inflight.count
     for started in inflight.buckets:
         b = started.bucket
@@ -612,7 +651,7 @@ def finish(inflight: Inflight, into: Sequence[torch.Tensor] | None = None) -> li
         fulls = started.state
         if isinstance(fulls, _Level):
             more = b.sharded[:-1]  # further sharded mesh dims: synchronous
-            fulls = _finish_level(fulls, None if more else targets)
+            fulls = _finish_level(fulls, None if more else targets, then)
             for m, comm in zip(reversed(more), started.comms[1:], strict=True):
                 level = _start_level(fulls, b.layouts, m, comm)
                 fulls = _finish_level(level, targets if m == more[0] else None)

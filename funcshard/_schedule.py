@@ -451,10 +451,12 @@ class _Group:
         inflight, self.inflight = self.inflight, None
         with span("wait", self.name):
             if self.raw is None:
-                self.raw = _flat.finish(inflight)
+                # see [Note: the copy-out node is the post-backward node] in _flat
+                then = None if notify is None or _grad_layout.captures(self.leaves) else notify
+                self.raw, notified = _flat.finish_notifying(inflight, then)
                 self.storages = self._own_storages() if self.mode.eager else []
                 # the post-backward callback frees: nothing to free, no node
-                notify = notify if self.storages else None
+                notify = notify if self.storages and not notified else None
                 fulls = _grad_layout.capture(self.leaves, self.raw, self.opts)  # ZeRO-2
                 self.fulls = list(Notify.apply(notify, *fulls)) if notify else fulls
                 self.fulls = _parallel.wrap(self.fulls, self.specs)
