@@ -621,11 +621,11 @@ def finish(inflight: Inflight, into: Sequence[torch.Tensor] | None = None) -> li
 
 def finish_notifying(inflight: Inflight, then) -> tuple[list[torch.Tensor], bool]:
     """:func:`finish`, and whether the gather's own node runs ``then`` (a post-backward callback,
-    as ``Notify``'s) when the results' gradients are complete: where the gather is one
+    as ``Notify``'s, or ``None``) when the results' gradients are complete: where the gather is one
     :class:`_CopyOut` (see [Note: the copy-out node is the post-backward node]). If not, the
     caller puts its ``Notify`` on the results."""
-    once = _copies_once(inflight)
-    return _finish(inflight, None, then if once else None), once
+    taken = then is not None and _copies_once(inflight)
+    return _finish(inflight, None, then if taken else None), taken
 
 
 def _copies_once(inflight: Inflight) -> bool:

@@ -451,8 +451,11 @@ class _Group:
         inflight, self.inflight = self.inflight, None
         with span("wait", self.name):
             if self.raw is None:
-                # see [Note: the copy-out node is the post-backward node] in _flat
-                then = None if notify is None or _grad_layout.captures(self.leaves) else notify
+                # see [Note: the copy-out node is the post-backward node] in _flat; not where
+                # autograd stops at the full tensors (sync_grads=False's sink: the copy-out's
+                # backward never runs) or takes their gradients elsewhere (ZeRO-2's capture)
+                stops = _sink.current() is not None or _grad_layout.captures(self.leaves)
+                then = None if notify is None or stops else notify
                 self.raw, notified = _flat.finish_notifying(inflight, then)
                 self.storages = self._own_storages() if self.mode.eager else []
                 # the post-backward callback frees: nothing to free, no node
