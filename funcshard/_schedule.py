@@ -10,8 +10,9 @@ and two cursors, one over the lowered forward and one over the lowered backward:
   the way (gather, wait, prefetch, free);
 * backward (plain autograd only): autograd's saved-tensor hooks tell which group's saved
   parameter is being unpacked; that moves the backward cursor (re-gather, wait, prefetch); a
-  ``Notify`` node on each group's full tensors runs when the group's gradients are complete,
-  and frees the group; the reduce-scatter itself is the gather's own backward.
+  ``Notify`` node on each group's full tensors (or the gather's own copy-out node: [Note: the
+  copy-out node is the post-backward node] in ``_flat``) runs when the group's gradients are
+  complete, and frees the group; the reduce-scatter itself is the gather's own backward.
 
 [Note: reshard after forward without saved-tensor tricks inside torch.func]
 Freeing a group after its forward means emptying the *storage* of its full tensors (which
@@ -25,11 +26,11 @@ for the whole step). Gradients are correct either way.
 [Note: per-call state is not reachable from the graph]
 The autograd graph of a call outlives the call (it is kept by the loss, the gradients' history
 or a user's reference), and a Python object held by a graph node through a C++ edge is invisible
-to Python's cycle collector. ``_Run`` holds each group's full tensors, whose ``Notify`` node holds
-the post-backward callback: if that callback held the ``_Run``, every step's state (its full
-parameters included) would stay alive forever. So the callback holds only a weak reference;
-during backward the ``_Run`` is kept alive by the saved-tensor hooks of the nodes that still
-need it, and once none does there is nothing left to free.
+to Python's cycle collector. ``_Run`` holds each group's full tensors, whose ``Notify`` (or
+copy-out) node holds the post-backward callback: if that callback held the ``_Run``, every
+step's state (its full parameters included) would stay alive forever. So the callback holds
+only a weak reference; during backward the ``_Run`` is kept alive by the saved-tensor hooks of
+the nodes that still need it, and once none does there is nothing left to free.
 
 [Note: a plan under torch.compile]
 Under ``torch.compile`` the scheduler runs once, while the step is traced (see [Note: funcshard
