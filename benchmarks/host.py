@@ -10,6 +10,7 @@ one group per block. Wall time per step and the step thread's CPU time, medians 
 
     OMP_NUM_THREADS=1 python -m benchmarks.host           # prints a table, writes host.json
     OMP_NUM_THREADS=1 python -m benchmarks.host --world 8 # 8 ranks over a fake process group
+    OMP_NUM_THREADS=1 python -m benchmarks.host --ops 30  # and the top 30 ATen ops per block
 
 With ``--world N`` (N > 1) the step runs in one process over torch's fake process group
 (``fake.py``: collectives return at once, moving nothing): the host's cost per block of the
