@@ -10,6 +10,7 @@ one group per block. Wall time per step and the step thread's CPU time, medians 
 
     OMP_NUM_THREADS=1 python -m benchmarks.host           # prints a table, writes host.json
     OMP_NUM_THREADS=1 python -m benchmarks.host --world 8 # 8 ranks over a fake process group
+    OMP_NUM_THREADS=1 python -m benchmarks.host --ops 30  # and the top 30 ATen ops per block
 
 With ``--world N`` (N > 1) the step runs in one process over torch's fake process group
 (``fake.py``: collectives return at once, moving nothing): the host's cost per block of the
@@ -20,6 +21,7 @@ does not have (a mesh of one rank gathers nothing).
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import statistics
 import time
@@ -153,14 +155,20 @@ def funcshard(layers: int, mesh):
 FRAMEWORKS = {"plain torch": plain, "FSDP2": fsdp2, "funcshard": funcshard}
 
 
-def aten_calls(step, tokens) -> int:
-    """The ATen operations one call of ``step(tokens)`` dispatches (the profiler's ``aten::``
-    events, nested ones included): what the host does per step, independent of its speed."""
+def aten_ops(step, tokens) -> collections.Counter:
+    """The ATen operations one call of ``step(tokens)`` dispatches, by name (the profiler's
+    ``aten::`` events, nested ones included): what the host does per step, independent of its
+    speed."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step(tokens)
-    return sum(e.name.startswith("aten::") for e in prof.events())
+    return collections.Counter(e.name for e in prof.events() if e.name.startswith("aten::"))
+
+
+def aten_calls(step, tokens) -> int:
+    """How many ATen operations one call of ``step(tokens)`` dispatches (:func:`aten_ops`)."""
+    return aten_ops(step, tokens).total()
 
 
 def measure(mesh, depths=(4, 16), rounds: int = 30, warmup: int = 5) -> dict[str, Any]:
@@ -191,13 +199,30 @@ def measure(mesh, depths=(4, 16), rounds: int = 30, warmup: int = 5) -> dict[str
             "cpu_ms_per_block": (cmed[hi] - cmed[lo]) / (hi - lo),
         }
     for name in FRAMEWORKS:  # the deterministic part: operations the host dispatches
-        calls = {d: aten_calls(steps[(name, d)], tokens) for d in depths}
+        ops = {d: aten_ops(steps[(name, d)], tokens) for d in depths}
+        calls = {d: ops[d].total() for d in depths}  # aten_calls
         rows[name]["aten_calls_per_step"] = calls
         rows[name]["aten_calls_per_block"] = (calls[hi] - calls[lo]) / (hi - lo)
+        per_block = {op: (ops[hi][op] - ops[lo][op]) / (hi - lo) for op in ops[hi] | ops[lo]}
+        rows[name]["aten_ops_per_block"] = {
+            op: n for op, n in sorted(per_block.items(), key=lambda kv: -kv[1]) if n
+        }
     for row in rows.values():
         row["per_block_vs_fsdp2"] = row["ms_per_block"] / rows["FSDP2"]["ms_per_block"]
         row["per_block_vs_plain"] = row["ms_per_block"] / rows["plain torch"]["ms_per_block"]
     return {"depths": list(depths), "rounds": rounds, "rows": rows}
+
+
+def _print_ops(rows: dict[str, Any], top: int) -> None:
+    """The ``top`` ATen ops per block (over all frameworks' counts), one column per framework."""
+    names = list(rows)
+    ops = collections.Counter()
+    for row in rows.values():
+        ops.update({op: abs(n) for op, n in row["aten_ops_per_block"].items()})
+    print(f"\n{'aten ops per block':36}" + "".join(f"{n:>14}" for n in names))
+    for op, _ in ops.most_common(top):
+        counts = (rows[n]["aten_ops_per_block"].get(op, 0) for n in names)
+        print(f"{op:36}" + "".join(f"{c:14.4g}" for c in counts))
 
 
 def main() -> None:
@@ -205,6 +230,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--world", type=int, default=1, help="> 1: a fake process group")
+    parser.add_argument("--ops", type=int, default=0, help="print the top N ATen ops per block")
     args = parser.parse_args()
     rounds = dict(rounds=3 if args.quick else args.rounds, warmup=1 if args.quick else 5)
     if args.world > 1:
@@ -230,6 +256,8 @@ def main() -> None:
         print(f"{name:14}{row['ms_per_block']:10.3f}{row['cpu_ms_per_block']:14.3f}"
               f"{row['per_block_vs_fsdp2']:9.2f}{row['per_block_vs_plain']:9.2f}"
               f"{row['aten_calls_per_block']:18.0f}")  # fmt: skip
+    if args.ops:
+        _print_ops(result["rows"], args.ops)
     if not args.quick:
         harness.write("host" if args.world == 1 else f"host-fake{args.world}", result)
 

@@ -275,12 +275,14 @@ def test_optim_host_part_steps_both_optimizers_alike(tmp_path):
 def test_host_counts_the_operations_a_step_dispatches():
     """benchmarks/host.py's call count: the ATen operations of one step, nested ones included
     (a hand count: an add of two tensors, and a cast that copies: to -> _to_copy ->
-    empty_strided + copy_)."""
-    from benchmarks.host import aten_calls
+    empty_strided + copy_), in all and by name (``--ops``)."""
+    from benchmarks.host import aten_calls, aten_ops
 
     x = torch.ones(3)
     assert aten_calls(lambda t: t + t, x) == 1
     assert aten_calls(lambda t: t.to(torch.float64), x) == 4
+    cast = ["aten::to", "aten::_to_copy", "aten::empty_strided", "aten::copy_"]
+    assert aten_ops(lambda t: t.to(torch.float64), x) == dict.fromkeys(cast, 1)
 
 
 def _parallel2d(out):

@@ -3,6 +3,7 @@ communication and memory behaviour, and no hooks."""
 
 from __future__ import annotations
 
+import collections
 import warnings
 
 import pytest
@@ -377,6 +378,40 @@ def test_profiler_shows_the_schedule_and_overlap(world2, prefetch):
         # the reduce-scatter of a group is issued when its backward ends, runs during the
         # backward of the group before it, and is waited for only then
         assert issued < next_backward < waited, names
+
+
+def frees(mesh_shape, variant):
+    """The profiler's free ranges of one step, by group; ``variant``: how gradients are asked
+    for (``None``: the default)."""
+    rank = dist.get_rank()
+    model, sharded, buffers, plan = _setup(mesh_shape, layers=3)
+    apply = fs.schedule(model, plan)
+    batch = tokens(rank)
+    loss = lambda p: lm_loss(apply(p, batch, buffers=buffers), batch)
+    kw = {
+        None: {},
+        "sync_grads": {"sync_grads": False},
+        "grad_placements": {"grad_placements": fs.optim.state_placements},
+    }[variant]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fs.value_and_grad(loss, **kw)(sharded)
+    names = [e.name() for e in prof.profiler.kineto_results.events()]
+    return collections.Counter(n for n in names if n.startswith("funcshard::free"))
+
+
+@pytest.mark.parametrize(
+    ("world", "mesh_shape", "variant"),
+    [("world2", None, "sync_grads"), ("world4", (2, 2), "grad_placements")],
+)
+def test_every_group_is_freed_after_its_backward(request, world, mesh_shape, variant):
+    """sync_grads=False asks autograd for the gradients of the full tensors themselves (the
+    engine stops there), ZeRO-2 (grad_placements, HSDP) takes them into its own node: each
+    group's post-backward callback still runs and frees it, as by default; the blocks are
+    freed after forward and after backward."""
+    ranks = request.getfixturevalue(world)
+    default, other = ranks.run(frees, mesh_shape, None)[0], ranks.run(frees, mesh_shape, variant)[0]
+    assert other == default, (default, other)
+    assert all(default[f"funcshard::free (blocks.{i})"] == 2 for i in range(3)), default
 
 
 def test_profiler_ranges_only_under_a_profiler():

@@ -254,7 +254,7 @@ def _issued(y: torch.Tensor, comm: Comm) -> torch.Tensor:
 
 
 def _flat_pieces(pieces, dim: int, dtype) -> torch.Tensor:
-    return torch.cat([p.flatten(dim).to(dtype) for p in pieces], dim=dim)
+    return torch.cat([cast(p.flatten(dim), dtype) for p in pieces], dim=dim)
 
 
 def _keep_pieces(g: torch.Tensor, shapes, keep, comm: Comm) -> torch.Tensor:
@@ -267,14 +267,35 @@ def _keep_pieces(g: torch.Tensor, shapes, keep, comm: Comm) -> torch.Tensor:
     return torch.cat(kept, dim=d + 1).flatten(d, d + 1)
 
 
-def _split_pieces(flat: torch.Tensor, shapes, dim: int) -> list[torch.Tensor]:
+def _split_pieces(flat: torch.Tensor, shapes, comm: Comm) -> list[torch.Tensor]:
+    """``flat`` (``[..., S]``, batch dims before ``comm.dim``) split into pieces of ``shapes``.
+    Under plain autograd, unbatched, one view per piece made from ``flat`` (a split and a view
+    cost two)."""
+    dim = comm.dim
     numels = [math.prod(s[dim:]) for s in shapes]
+    if dim == 0 and flat.is_contiguous() and comm.mode.plain:
+        at, out = flat.storage_offset(), []
+        for s, n in zip(shapes, numels, strict=True):
+            out.append(flat.as_strided(s, contiguous_strides(s), at))
+            at += n
+        return out
     return [f.view(s) for f, s in zip(flat.split(numels, dim=dim), shapes, strict=True)]
+
+
+def contiguous_strides(shape) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``, as torch computes them (a dim of size 0
+    counts as 1)."""
+    strides, at = [], 1
+    for n in reversed(shape):
+        strides.append(at)
+        at *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def _all_gather(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """Gather ``x`` along ``comm.dim`` (synchronously unless ``dim == 0`` and async)."""
-    x = wait(x).to(comm.gather_dtype or x.dtype)
+    x = wait(x)
+    x = cast(x, comm.gather_dtype or x.dtype)
     if comm.world == 1:  # see [Note: one rank communicates nothing]
         return x
     _debug.check("all_gather", comm.group, comm.label, x)  # see [Note: checked collectives]
@@ -290,7 +311,7 @@ def _all_gather(x: torch.Tensor, comm: Comm) -> torch.Tensor:
 def _reduce_scatter(x, comm: Comm, out_dtype: torch.dtype, donated: bool) -> torch.Tensor:
     x, ours = _reduce_input(wait(x), comm, donated)
     if comm.world == 1:  # see [Note: one rank communicates nothing]
-        return x.to(out_dtype)
+        return cast(x, out_dtype)
     d, w = comm.dim, comm.world
     if d != 0:  # [A, W*c, B] -> [W*A, c, B]: rank r's chunk is contiguous, returns as [A, c, B]
         x = x.unflatten(d, (w, x.shape[d] // w)).movedim(d, 0).flatten(0, 1).contiguous()
@@ -302,7 +323,7 @@ def _reduce_scatter(x, comm: Comm, out_dtype: torch.dtype, donated: bool) -> tor
             x.untyped_storage().resize_(0)  # see [Note: gloo copies reduce-scatter inputs]
             ours = False
         return _pending_or_waited(y, comm, x if ours else None)
-    return wait(y).to(out_dtype)
+    return cast(wait(y), out_dtype)
 
 
 def copies_reduce_scatter_input(group: dist.ProcessGroup, device_type: str) -> bool:
@@ -330,13 +351,25 @@ def _all_reduce(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     x = wait(x)
     y, _ = _reduce_input(x, comm, False)
     if comm.world == 1:  # see [Note: one rank communicates nothing]
-        return y.to(x.dtype)
+        return cast(y, x.dtype)
     _debug.check("all_reduce", comm.group, comm.label, y)
     with span("all_reduce", comm.label):
         y = _issued(_ops.all_reduce(y, "sum", comm.group.group_name), comm)
     if comm.way.pending and y.dtype == x.dtype and y.numel():
         return y
-    return wait(y).to(x.dtype)
+    return cast(wait(y), x.dtype)
+
+
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)`` without dispatching ``aten::to`` when ``x`` has that dtype already (``to``
+    returns ``x`` itself then, as this does)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def alias(x: torch.Tensor) -> torch.Tensor:
+    """A view of all of ``x``: what a Function returns for an input it passes on unchanged.
+    One ATen operation (``view_as`` dispatches two: itself and the ``view`` it calls)."""
+    return x.view(x.shape)
 
 
 def _moved(x: torch.Tensor, bdim: int | None, size: int) -> torch.Tensor:
@@ -386,9 +419,14 @@ def start_all_gather(comm: Comm, pieces, after: torch.Tensor | None = None) -> S
     size = sum(numels)
     dtype = comm.gather_dtype or pieces[0].dtype
     output = torch.empty(comm.world * size, dtype=dtype, device=pieces[0].device)
-    slot = output.narrow(0, dist.get_rank(comm.group) * size, size)
-    with torch.no_grad():
-        torch._foreach_copy_(list(slot.split(numels)), [p.detach().reshape(-1) for p in pieces])
+    at = dist.get_rank(comm.group) * size
+    slot = output.narrow(0, at, size)
+    slots = []  # each piece's place in the slot, in the piece's shape: one view each
+    for p, n in zip(pieces, numels, strict=True):
+        slots.append(output.as_strided(p.shape, contiguous_strides(p.shape), at))
+        at += n
+    with torch.no_grad():  # the output records no history
+        torch._foreach_copy_(slots, list(pieces))
     if comm.world == 1:  # see [Note: one rank communicates nothing]
         return Started(output, None)
     _debug.check("all_gather", comm.group, comm.label, slot)
@@ -506,7 +544,7 @@ class AllGather(_Function):
         flat = ReduceScatter.apply(g, ctx.comm, ctx.dtype, donate)
         for r in ctx.replicas:
             flat = AllReduce.apply(flat, r)
-        grads = iter(_split_pieces(flat, shapes, ctx.comm.dim))
+        grads = iter(_split_pieces(flat, shapes, ctx.comm))
         return (None, None, None, *(next(grads) if n else None for n in needs))
 
     @staticmethod
@@ -532,7 +570,7 @@ def one_rank(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     the gradient as the reduction would."""
     gather = comm.gather_dtype or x.dtype
     if comm.reduce_dtype in (None, gather, x.dtype):
-        return x.to(gather)
+        return cast(x, gather)
     return OneRank.apply(x, comm)
 
 
@@ -545,7 +583,7 @@ class OneRank(_Function):
     @staticmethod
     def forward(x: torch.Tensor, comm: Comm) -> torch.Tensor:
         dtype = comm.gather_dtype or x.dtype
-        return x.view_as(x) if x.dtype == dtype else x.to(dtype)
+        return alias(x) if x.dtype == dtype else x.to(dtype)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -553,7 +591,7 @@ class OneRank(_Function):
 
     @staticmethod
     def backward(ctx, g):
-        return g.to(ctx.comm.reduce_dtype or g.dtype).to(ctx.dtype), None
+        return cast(cast(g, ctx.comm.reduce_dtype or g.dtype), ctx.dtype), None
 
     @staticmethod
     def jvp(ctx, t, _):
@@ -599,7 +637,7 @@ class Broadcast(_Function):
 
     @staticmethod
     def forward(x: torch.Tensor, comm: Comm) -> torch.Tensor:
-        return wait(x).view_as(x)
+        return alias(wait(x))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -611,7 +649,7 @@ class Broadcast(_Function):
 
     @staticmethod
     def jvp(ctx, t, _):
-        return t.view_as(t)
+        return alias(t)
 
     @staticmethod
     def vmap(info, in_dims, x, comm):
@@ -649,7 +687,7 @@ class Notify(_Function):
 
     @staticmethod
     def forward(callback, *xs):
-        return tuple(x.view_as(x) for x in xs)
+        return tuple(alias(x) for x in xs)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -664,7 +702,7 @@ class Notify(_Function):
 
     @staticmethod
     def jvp(ctx, _, *tangents):
-        return tuple(t.view_as(t) for t in tangents)
+        return tuple(alias(t) for t in tangents)
 
 
 def waiting(label: str):

@@ -296,13 +296,17 @@ def _start_level(xs, layouts, mesh_dim: int, comm: C.Comm, replicas=(), after=No
     return _Level(padded, comm, tuple(replicas), started, dims, sizes)
 
 
-def _finish_level(level: _Level, into: Sequence[torch.Tensor] | None = None):
+def _finish_level(level: _Level, into: Sequence[torch.Tensor] | None = None, then=None):
     """Wait, record the autograd node and copy out; with ``into``, copy each result into those
     tensors instead (refilling freed storage), straight from the buffer when no padding is cut
-    off, else through one parameter-sized temporary at a time."""
+    off, else through one parameter-sized temporary at a time. ``then``: the post-backward
+    callback of :class:`_CopyOut` (only where the level takes that path: :func:`_copies_once`)."""
     gathered = level.started.wait() if level.started is not None else None
-    buffer = C.AllGather.apply(level.comm, level.replicas, gathered, *level.pieces)
     traced = level.comm.way.traced
+    if gathered is not None and not torch.is_grad_enabled() and not traced:
+        buffer = gathered  # what AllGather returns, without its node (a re-gather's refill)
+    else:
+        buffer = C.AllGather.apply(level.comm, level.replicas, gathered, *level.pieces)
     if gathered is not None and traced:  # see [Note: one operation per group, not per tensor]
         chunks = tuple(tuple(p.shape) for p in level.pieces)
         copies = _opaque.Copies(level.comm.world, chunks, tuple(level.dims), tuple(level.sizes))
@@ -310,7 +314,8 @@ def _finish_level(level: _Level, into: Sequence[torch.Tensor] | None = None):
     if gathered is not None and not any(level.dims):  # see [Note: one copy-out per bucket]
         chunks = tuple(tuple(p.shape) for p in level.pieces)
         if into is None:
-            out = list(_CopyOut.apply(buffer, level.comm.world, chunks, tuple(level.sizes)))
+            world, sizes = level.comm.world, tuple(level.sizes)
+            out = list(_CopyOut.apply(buffer, world, chunks, sizes, then))
         else:
             out = _refill_rows(into, buffer.view(level.comm.world, -1), chunks)
         _release([buffer], keep=(), traced=traced)
@@ -351,27 +356,38 @@ class _CopyOut(C._Function):
     reduce-scatter takes. The full tensors share the buffer's storage: the scheduler frees and
     refills it once per bucket (its storages are found by address). Other layouts, ``torch.func``
     transforms and ``torch.compile`` take the general path (the latter ``_opaque.CopyOut``).
+
+    [Note: the copy-out node is the post-backward node]
+    This node's backward runs when autograd has the gradients of all of its full tensors: where
+    the scheduler's post-backward callback must run (``Notify`` on the group's full tensors,
+    which costs a view per parameter per step). Where a group's gather is this one node (one
+    bucket, gathered over one mesh dim, its gradients not captured for ZeRO-2), the node runs
+    the callback itself (``then``, see :func:`finish_notifying`), before it concatenates.
     """
 
     @staticmethod
-    def forward(buffer: torch.Tensor, world: int, chunks, sizes):
+    def forward(buffer: torch.Tensor, world: int, chunks, sizes, then=None):
         numels = [math.prod(c) for c in chunks]
         flat = buffer.new_empty(world * sum(numels))
-        padded = flat.split([world * n for n in numels])
-        rows = [p.view(world, n) for p, n in zip(padded, numels, strict=True)]
+        # each piece's padded full tensor at its offset in ``flat``, seen as its [W, n] rows and
+        # as the full tensor (narrowed to its size): one view each, made from ``flat`` directly
+        rows, fulls, at = [], [], 0
+        for c, n, size in zip(chunks, numels, sizes, strict=True):
+            rows.append(flat.as_strided((world, n), (n, 1), at))
+            strides = C.contiguous_strides((world * c[0], *c[1:]))
+            fulls.append(flat.as_strided((size, *c[1:]), strides, at))
+            at += world * n
         torch.split_with_sizes_copy(buffer.view(world, -1), numels, dim=1, out=rows)
-        fulls = []
-        for p, c, n in zip(padded, chunks, sizes, strict=True):
-            full = p.view(world * c[0], *c[1:])
-            fulls.append(full if n == full.shape[0] else full.narrow(0, 0, n))
         return tuple(fulls)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _, ctx.world, ctx.chunks, _ = inputs
+        _, ctx.world, ctx.chunks, _, ctx.then = inputs
 
     @staticmethod
     def backward(ctx, *grads):
+        if ctx.then is not None:  # see [Note: the copy-out node is the post-backward node]
+            grads = ctx.then(grads)
         world, rows = ctx.world, []
         for g, c in zip(grads, ctx.chunks, strict=True):
             padded = world * c[0]
@@ -379,7 +395,7 @@ class _CopyOut(C._Function):
                 g = torch.cat([g, g.new_zeros(padded - g.shape[0], *c[1:])])
             n = math.prod(c)
             rows.append(g.view(world, n) if g.is_contiguous() else g.reshape(world, n))
-        return torch.cat(rows, dim=1).view(-1), None, None, None
+        return torch.cat(rows, dim=1).view(-1), None, None, None, None
 
 
 def _refill_rows(targets: Sequence[torch.Tensor], rows: torch.Tensor, chunks) -> list:
@@ -506,7 +522,7 @@ def arm(tensors: Sequence[torch.Tensor], lowered: Lowered) -> list[torch.Tensor]
     cast comes first. A local group has nothing pending: no wait node.
     """
     dtypes = lowered.flat_dtypes
-    cast = [x if x.dtype == d else x.to(d) for x, d in zip(tensors, dtypes, strict=True)]
+    cast = [C.cast(x, d) for x, d in zip(tensors, dtypes, strict=True)]
     if not lowered.mode.asynchronous or lowered.local or not torch.is_grad_enabled():
         return cast
     return list(C.Notify.apply(C.waiting(lowered.opts.label), *cast))
@@ -596,6 +612,35 @@ def finish(inflight: Inflight, into: Sequence[torch.Tensor] | None = None) -> li
     ``into``: tensors of the results' shapes and dtypes to copy the results into (under
     ``no_grad``, keeping their version counters: a re-gather refilling freed storage).
     """
+    return _finish(inflight, into, None)
+
+
+def finish_notifying(inflight: Inflight, then) -> tuple[list[torch.Tensor], bool]:
+    """:func:`finish`, and whether the gather's own node runs ``then`` (a post-backward callback,
+    as ``Notify``'s, or ``None``) when the results' gradients are complete: where the gather is one
+    :class:`_CopyOut` (see [Note: the copy-out node is the post-backward node]). If not, the
+    caller puts its ``Notify`` on the results."""
+    taken = then is not None and _copies_once(inflight)
+    return _finish(inflight, None, then if taken else None), taken
+
+
+def _copies_once(inflight: Inflight) -> bool:
+    """Whether the gather is one :class:`_CopyOut` node: one bucket, gathered over one mesh dim,
+    issued (not under ``torch.compile``), every piece sharded on dim 0."""
+    if len(inflight.buckets) != 1:
+        return False
+    started = inflight.buckets[0]
+    level = started.state
+    return (
+        isinstance(level, _Level)
+        and not level.comm.way.traced
+        and len(started.bucket.sharded) == 1
+        and level.started is not None
+        and not any(level.dims)
+    )
+
+
+def _finish(inflight: Inflight, into, then) -> list[torch.Tensor]:
     out: list[torch.Tensor | None] = [None] * inflight.count
     for started in inflight.buckets:
         b = started.bucket
@@ -603,14 +648,14 @@ def finish(inflight: Inflight, into: Sequence[torch.Tensor] | None = None) -> li
         fulls = started.state
         if isinstance(fulls, _Level):
             more = b.sharded[:-1]  # further sharded mesh dims: synchronous
-            fulls = _finish_level(fulls, None if more else targets)
+            fulls = _finish_level(fulls, None if more else targets, then)
             for m, comm in zip(reversed(more), started.comms[1:], strict=True):
                 level = _start_level(fulls, b.layouts, m, comm)
                 fulls = _finish_level(level, targets if m == more[0] else None)
         elif targets is not None:
             fulls = [_refill(t, f) for t, f in zip(targets, fulls, strict=True)]
         for i, full in zip(b.index, fulls, strict=True):
-            out[i] = full if full.dtype == b.out_dtype else full.to(b.out_dtype)
+            out[i] = C.cast(full, b.out_dtype)
     return out  # type: ignore[return-value]
 
 
@@ -665,11 +710,11 @@ def scatter(
             sizes = [lay.levels[m + 1][d] for lay, d in zip(lays, dims, strict=True)]
             xs = _split(flat, shapes, dims, sizes)
         if not sharded:
-            flat = torch.cat([x.reshape(-1) for x in xs]).to(red)
+            flat = C.cast(torch.cat([x.reshape(-1) for x in xs]), red)
             flat = _all_reduce(flat, lays[0], replicated, opts, mode.waited, first=True)
             xs = _split(flat, [x.shape for x in xs], [None] * len(xs), [None] * len(xs))
         for i, x in zip(idx, xs, strict=True):
-            out[i] = x.to(out_dtypes[i])
+            out[i] = C.cast(x, out_dtypes[i])
     return out  # type: ignore[return-value]
 
 

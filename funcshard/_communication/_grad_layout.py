@@ -160,6 +160,14 @@ def collecting(into: Into | None) -> Iterator[None]:
         _CURRENT.reset(token)
 
 
+def captures(leaves: Sequence) -> bool:
+    """Whether :func:`capture` may pass full tensors gathered from ``leaves`` through a node."""
+    into = _CURRENT.get()
+    return (
+        into is not None and torch.is_grad_enabled() and any(id(x) in into.targets for x in leaves)
+    )
+
+
 def capture(leaves: Sequence, fulls: list[torch.Tensor], opts: _flat.Options) -> list:
     """``fulls`` (gathered from ``leaves``), those of the current :class:`Into`'s leaves passed
     through a :class:`_Capture` node (see [Note: gradients in the optimizer state's layout])."""
@@ -187,7 +195,7 @@ class _Capture(torch.autograd.Function):
 
     @staticmethod
     def forward(info, anchor, *fulls):
-        return tuple(f.view_as(f) for f in fulls)
+        return tuple(C.alias(f) for f in fulls)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

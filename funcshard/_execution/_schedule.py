@@ -10,8 +10,9 @@ and two cursors, one over the lowered forward and one over the lowered backward:
   steps on the way (gather, wait, prefetch, free);
 * backward (plain autograd only): autograd's saved-tensor hooks tell which group's saved
   parameter is being unpacked; that moves the backward cursor (re-gather, wait, prefetch); a
-  ``Notify`` node on each group's full tensors runs when the group's gradients are complete,
-  and frees the group; the reduce-scatter itself is the gather's own backward.
+  ``Notify`` node on each group's full tensors (or the gather's own copy-out node: [Note: the
+  copy-out node is the post-backward node] in ``_flat``) runs when the group's gradients are
+  complete, and frees the group; the reduce-scatter itself is the gather's own backward.
 
 [Note: reshard after forward without saved-tensor tricks inside torch.func]
 Freeing a group after its forward means emptying the *storage* of its full tensors (which
@@ -25,11 +26,11 @@ for the whole step). Gradients are correct either way.
 [Note: per-call state is not reachable from the graph]
 The autograd graph of a call outlives the call (it is kept by the loss, the gradients' history
 or a user's reference), and a Python object held by a graph node through a C++ edge is invisible
-to Python's cycle collector. ``_Run`` holds each group's full tensors, whose ``Notify`` node holds
-the post-backward callback: if that callback held the ``_Run``, every step's state (its full
-parameters included) would stay alive forever. So the callback holds only a weak reference;
-during backward the ``_Run`` is kept alive by the saved-tensor hooks of the nodes that still
-need it, and once none does there is nothing left to free.
+to Python's cycle collector. ``_Run`` holds each group's full tensors, whose ``Notify`` (or
+copy-out) node holds the post-backward callback: if that callback held the ``_Run``, every
+step's state (its full parameters included) would stay alive forever. So the callback holds
+only a weak reference; during backward the ``_Run`` is kept alive by the saved-tensor hooks of
+the nodes that still need it, and once none does there is nothing left to free.
 
 [Note: a plan under torch.compile]
 Under ``torch.compile`` the scheduler runs once, while the step is traced (see [Note: funcshard
@@ -415,7 +416,9 @@ class _Group:
         return self.state is State.IN_FLIGHT
 
     def arm(self) -> None:
-        if self.raw is None and self.armed is None:
+        """Arm the first gather (see ``_flat.arm``), unless armed already or issued (a prefetch
+        issued before the current group's compute armed it then)."""
+        if self.raw is None and self.armed is None and self.state is State.SHARDED:
             self.armed = _flat.arm(self.locals, self.lowered)
 
     def issue(self) -> None:
@@ -441,10 +444,15 @@ class _Group:
         inflight, self.inflight = self.inflight, None
         with span("wait", self.name):
             if self.raw is None:
-                self.raw = _flat.finish(inflight)
+                # see [Note: the copy-out node is the post-backward node] in _flat; not where
+                # autograd stops at the full tensors (sync_grads=False's sink: the copy-out's
+                # backward never runs) or takes their gradients elsewhere (ZeRO-2's capture)
+                stops = _sink.current() is not None or _grad_layout.captures(self.leaves)
+                then = None if notify is None or stops else notify
+                self.raw, notified = _flat.finish_notifying(inflight, then)
                 self.storages = self._own_storages() if self.mode.eager else []
                 # the post-backward callback frees: nothing to free, no node
-                notify = notify if self.storages else None
+                notify = notify if self.storages and not notified else None
                 fulls = _grad_layout.capture(self.leaves, self.raw, self.opts)  # ZeRO-2
                 self.fulls = list(Notify.apply(notify, *fulls)) if notify else fulls
                 self.fulls = _parallel.wrap(self.fulls, self.specs)

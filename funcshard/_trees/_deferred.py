@@ -17,6 +17,7 @@ module that owns them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -104,7 +105,7 @@ class Deferred(torch.Tensor):
             with untraced():
                 placeholder = torch.empty(shape, dtype=dtype, device="meta")
         else:
-            placeholder = torch.empty(shape, dtype=dtype, device="meta")
+            placeholder = _placeholder(tuple(shape), dtype)
         t = torch.Tensor._make_subclass(_DeferredDTensor if dtensor else cls, placeholder)
         t._fqn, t._resolver, t._device = fqn, resolver, torch.device(device)
         return t
@@ -138,6 +139,13 @@ class Deferred(torch.Tensor):
             return func(*args, **kwargs)  # no Deferred left: no recursion
         finally:
             release_all(resolvers)
+
+
+@functools.lru_cache(maxsize=4096)
+def _placeholder(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A meta tensor of ``shape`` and ``dtype``, made once: each :class:`Deferred` is a new
+    tensor over it (``_make_subclass``), so a call does not create one per parameter."""
+    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 # DTensor's attributes that live on its instances rather than its class
