@@ -10,6 +10,8 @@ funcshard needs, the replacement is here (``compiling``).
 
 from __future__ import annotations
 
+import copyreg
+
 import torch
 import torch.distributed as dist
 
@@ -48,3 +50,34 @@ def compiling() -> bool:
     if torch.compiler.is_compiling():
         return True
     return not HAS_2_13 and TracingContext.try_get() is not None
+
+
+def _mesh_reduced(mesh) -> tuple:
+    """``mesh``'s pickle, without the hash it caches: see [Note: a mesh in a cache key]."""
+    reduced = object.__reduce_ex__(mesh, 2)
+    state = dict(reduced[2])
+    state.pop("_hash", None)
+    return (*reduced[:2], state, *reduced[3:])
+
+
+def keep_mesh_hash_out_of_pickles() -> bool:
+    """Pickle ``DeviceMesh`` without its cached ``hash()`` (idempotent); whether it applies.
+
+    [Note: a mesh in a cache key]
+    A compiled step takes DTensors, and from torch 2.13 each one enters the graph as its local
+    tensor and its ``DeviceMesh``, an opaque object. Inductor's FX graph cache keys a graph by a
+    pickle of its inputs, the mesh's attributes among them, and a mesh caches its ``hash()`` in
+    ``_hash`` once anything hashed it. ``hash()`` of a string differs between processes (Python
+    salts it, ``PYTHONHASHSEED``), so every process computed another key for the same graph and
+    no second process ever found the graph the first had compiled. The mesh pickles without it
+    here (torch's own pickle, less that attribute; an unpickled mesh computes it again when
+    hashed, as a new one does), so the key depends on what the mesh is. Registered once, for
+    ``DeviceMesh`` itself, in ``copyreg``, where every pickler finds it (inductor's copies it).
+    ``tests/test_compile.py`` checks that a second process hits the cache.
+    """
+    if not dist.is_available():
+        return False
+    from torch.distributed.device_mesh import DeviceMesh
+
+    copyreg.pickle(DeviceMesh, _mesh_reduced)
+    return True

@@ -44,6 +44,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ._compat import compiling as _compiling
+from ._compat import keep_mesh_hash_out_of_pickles
+
+keep_mesh_hash_out_of_pickles()  # compiled steps' graphs take meshes: [Note: a mesh in a cache key]
 
 F = TypeVar("F", bound=Callable)
 _NUMBERS = itertools.count()
