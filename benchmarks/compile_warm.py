@@ -31,7 +31,9 @@ def _phases(at_least: float = 0.2) -> dict[str, float]:
     from torch._dynamo.utils import compile_times
 
     names, seconds = compile_times(repr="csv", aggregate=True)
-    return {n: round(float(s), 1) for n, s in zip(names, seconds, strict=True) if float(s) >= at_least}
+    return {
+        n: round(float(s), 1) for n, s in zip(names, seconds, strict=True) if float(s) >= at_least
+    }
 
 
 def _job(variant: str) -> None:
@@ -95,8 +97,11 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory(prefix="funcshard-inductor-") as cache:
             for run in ("cold", "warm"):
                 r = _launch(variant, cache, args.ranks)
-                print(f"{variant} {run}: {r['first_call_s']:.1f} s  inductor {r['inductor']}  "
-                      f"aot {r['aot_autograd']}  load {os.getloadavg()[0]:.1f}", flush=True)
+                print(
+                    f"{variant} {run}: {r['first_call_s']:.1f} s  inductor {r['inductor']}  "
+                    f"aot {r['aot_autograd']}  load {os.getloadavg()[0]:.1f}",
+                    flush=True,
+                )
                 print(f"  phases: {r['phases']}", flush=True)
 
 
