@@ -3,7 +3,8 @@
 [Note: identical groups compiled once]
 A traced step is one graph (see [Note: funcshard under torch.compile] in ``_compile``), and the
 compiler generates code for every group's forward and backward anew: eight identical blocks
-cost eight times the compilation of one. While the step is traced (``Mode.TRACED``), each
+cost eight times the compilation of one. While the step is traced (``Mode.TRACED``), in the
+pass that records the graph (see [Note: the passes of a trace] in ``_compile``), each
 group's module (a submodule holding only its group's parameters and no buffers, not
 recomputed) therefore runs as one *region*: its forward and backward are each one call of the
 ``invoke_subgraph`` higher-order operator, which the compiler lowers once per distinct

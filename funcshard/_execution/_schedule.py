@@ -150,9 +150,9 @@ def schedule(
             check_not_wrapped(module, "functional_call", walk)
             named = slots(module, ({**params, **deferred}, buffers or {}), True, False, walk)
         run.bind_regions(module, named)
-        as_regions = (  # regions only while traced: see [Note: identical groups compiled once]
+        as_regions = (  # regions only in the trace recorded: [Note: identical groups compiled once]
             _recompute.recomputing(regions, _regions.regioned({}))
-            if run.mode is Mode.TRACED
+            if run.mode is Mode.TRACED and _compile.recording()
             else contextlib.nullcontext()
         )
         with (

@@ -223,6 +223,24 @@ def _rebuilt(tree):
     return torch_pytree.tree_map(one, tree, is_leaf=lambda x: isinstance(x, _Absent | _Named))
 
 
+def recording() -> bool:
+    """Whether the running trace records a graph (AOTAutograd's last pass; a proxy mode is
+    active), not only the results' metadata (Dynamo's run on fake tensors, AOTAutograd's
+    metadata passes).
+
+    [Note: the passes of a trace]
+    While ``torch.compile`` compiles a step, a transform's Python runs four times on fake
+    tensors: once for Dynamo (the results' shapes), twice while AOTAutograd collects metadata
+    (of the arguments, then of their DTensors' local tensors) and once while it records the
+    graph; only the last one's operations become the graph. The other three need only the same
+    results: work that changes the graph's form but not its results (the region graphs of
+    ``_regions``) is left to the one that records.
+    """
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return get_proxy_mode() is not None
+
+
 def untraced() -> contextlib.AbstractContextManager:
     """Leave the trace's fake and functional tensor modes, for metadata computed from real
     tensors that are not part of the program (a mesh's rank tensor, a placeholder)."""
