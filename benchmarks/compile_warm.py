@@ -56,11 +56,12 @@ def _job(variant: str) -> None:
     trainer = ALL[VARIANTS[variant]](w, mesh, Options(compile_backend="inductor"))
     batch = w.batch(0, ctx.rank)
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     trainer.step(batch)
     seconds = time.perf_counter() - t0
     row = {
         "first_call_s": seconds,
+        "cpu_s": time.process_time() - cpu0,  # this process's, not its compile workers'
         "start_up_s": start_up,
         "inductor": {k: v for k, v in counters["inductor"].items() if "cache" in k or "graph" in k},
         "aot_autograd": dict(counters["aot_autograd"]),
@@ -98,8 +99,9 @@ def main(argv: list[str] | None = None) -> None:
             for run in ("cold", "warm"):
                 r = _launch(variant, cache, args.ranks)
                 print(
-                    f"{variant} {run}: {r['first_call_s']:.1f} s  inductor {r['inductor']}  "
-                    f"aot {r['aot_autograd']}  load {os.getloadavg()[0]:.1f}",
+                    f"{variant} {run}: {r['first_call_s']:.1f} s (cpu {r['cpu_s']:.1f} s)  "
+                    f"inductor {r['inductor']}  aot {r['aot_autograd']}  "
+                    f"load {os.getloadavg()[0]:.1f}",
                     flush=True,
                 )
                 print(f"  phases: {r['phases']}", flush=True)
