@@ -55,8 +55,9 @@ def compiling() -> bool:
 def _mesh_reduced(mesh) -> tuple:
     """``mesh``'s pickle, without the hash it caches: see [Note: a mesh in a cache key]."""
     reduced = object.__reduce_ex__(mesh, 2)
-    state = dict(reduced[2])
-    state.pop("_hash", None)
+    if len(reduced) < 3 or not isinstance(reduced[2], dict) or "_hash" not in reduced[2]:
+        return reduced
+    state = {k: v for k, v in reduced[2].items() if k != "_hash"}
     return (*reduced[:2], state, *reduced[3:])
 
 
@@ -73,7 +74,7 @@ def keep_mesh_hash_out_of_pickles() -> bool:
     here (torch's own pickle, less that attribute; an unpickled mesh computes it again when
     hashed, as a new one does), so the key depends on what the mesh is. Registered once, for
     ``DeviceMesh`` itself, in ``copyreg``, where every pickler finds it (inductor's copies it).
-    ``tests/test_compile.py`` checks that a second process hits the cache.
+    ``tests/test_compile_cache.py`` checks that a second process hits the cache.
     """
     if not dist.is_available():
         return False
