@@ -1,7 +1,7 @@
 """A compiled step in a second process finds what the first one compiled: inductor's FX graph
 cache, shared through ``TORCHINDUCTOR_CACHE_DIR``, gives the second process the first one's
 graph, and that graph computes what eager funcshard does. See docs/compile.md ("Where the
-compile time goes") and [Note: a mesh in a cache key] in ``funcshard/_compat.py``.
+compile time goes") and [Note: a mesh in a cache key] in ``funcshard/_runtime/_compat.py``.
 
 Each process is a one-rank gloo world of its own, started with another ``PYTHONHASHSEED``: the
 salt of ``hash()`` differs between processes, as it does between any two runs of a job.
