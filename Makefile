@@ -45,8 +45,9 @@ bench-quick: $(BENCH_STAMP)
 TORCH       ?= 2.13.0
 TORCH_VENV  := .venv-torch-$(TORCH)
 TORCH_STAMP := $(TORCH_VENV)/.funcshard-installed
-COMPILE_TESTS := tests/test_compile.py tests/test_recompute.py tests/test_optim.py \
-	tests/test_parallel_init_compile.py tests/test_benchmarks.py tests/test_docs.py
+COMPILE_TESTS := tests/test_compile.py tests/test_compile_cache.py tests/test_recompute.py \
+	tests/test_optim.py tests/test_parallel_init_compile.py tests/test_benchmarks.py \
+	tests/test_docs.py
 
 $(TORCH_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(TORCH_VENV)
