@@ -61,7 +61,10 @@ class GradientTransformation(_Fields):
 
     def __new__(cls, init: InitFn, update: UpdateFn, update_inplace: UpdateFn | None = None):
         inplace = None if update_inplace is None else _recorded(update_inplace, update)
-        return super().__new__(cls, init, _recorded(update, update), inplace)
+        pure = _recorded(update, update)
+        donated = inplace or pure
+        donated.funcshard_step = traced(_donated_step(donated), "step")  # type: ignore[attr-defined]
+        return super().__new__(cls, init, pure, inplace)
 
 
 def _recorded(fn: UpdateFn, update: UpdateFn) -> UpdateFn:
@@ -206,10 +209,30 @@ def step(
         ``(params, state)``: the same parameter tensors, updated, and the new state.
     """
     update = opt.update_inplace or opt.update
-    with torch.no_grad():
-        updates, state = update(grads, state, params)
-        params = apply_updates(params, updates, inplace=True)
-    return params, state
+    one_call = getattr(update, "funcshard_step", None)  # see [Note: a donated step is one call]
+    if one_call is not None and torch.compiler.is_dynamo_compiling():
+        return one_call(params, grads, state)
+    return _donated_step(update)(params, grads, state)
+
+
+def _donated_step(update: UpdateFn) -> Callable:
+    """:func:`step` with ``update`` (a transformation's donated update).
+
+    [Note: a donated step is one call]
+    Under ``torch.compile`` each transform is one call of the graph (see [Note: funcshard under
+    torch.compile]), and Dynamo interprets the pytrees of its arguments and results bytecode by
+    bytecode, several times each: for a step, the parameters, the gradients and the optimizer
+    state, hundreds of leaves. :func:`step` is therefore one call, ``update`` and
+    :func:`apply_updates` inside it: the updates (``None`` where the update applied itself) never
+    cross into the graph, and the parameters cross once.
+    """
+
+    def step(params: PyTree, grads: PyTree, state: Any) -> tuple[PyTree, Any]:
+        with torch.no_grad():
+            updates, state = update(grads, state, params)
+            return apply_updates(params, updates, inplace=True), state
+
+    return step
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
