@@ -220,11 +220,11 @@ def _donated_step(update: UpdateFn) -> Callable:
 
     [Note: a donated step is one call]
     Under ``torch.compile`` each transform is one call of the graph (see [Note: funcshard under
-    torch.compile]), and Dynamo interprets the pytrees of its arguments and results bytecode by
-    bytecode, several times each: for a step, the parameters, the gradients and the optimizer
-    state, hundreds of leaves. :func:`step` is therefore one call, ``update`` and
-    :func:`apply_updates` inside it: the updates (``None`` where the update applied itself) never
-    cross into the graph, and the parameters cross once.
+    torch.compile] in ``_runtime/_compile``), and Dynamo interprets the pytrees of its arguments
+    and results bytecode by bytecode, several times each: for a step, the parameters, the
+    gradients and the optimizer state, hundreds of leaves. :func:`step` is therefore one call,
+    ``update`` and :func:`apply_updates` inside it: the updates (``None`` where the update
+    applied itself) never cross into the graph, and the parameters cross once.
     """
 
     def step(params: PyTree, grads: PyTree, state: Any) -> tuple[PyTree, Any]:
