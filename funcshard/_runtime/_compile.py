@@ -58,6 +58,13 @@ _CREATED_INSIDE = (
 )
 
 
+def dynamo_tracing() -> bool:
+    """Dynamo itself is interpreting the running code: the first pass of ``torch.compile``,
+    where a call of :func:`traced` becomes one operation of the graph (``compiling()`` is true
+    in AOTAutograd's passes too)."""
+    return torch.compiler.is_dynamo_compiling()
+
+
 def traced(fn: F, name: str | None = None) -> F:
     """``fn``, traced by AOTAutograd rather than Dynamo when called under ``torch.compile``.
 
@@ -68,7 +75,7 @@ def traced(fn: F, name: str | None = None) -> F:
     and 2.12 does not see the name ``functools.wraps`` copies).
     """
     name = name or getattr(fn, "__name__", "fn")
-    if torch.compiler.is_dynamo_compiling():
+    if dynamo_tracing():
         refuse_while_tracing(_CREATED_INSIDE.format(name=name))
 
     def body(*args, **kwargs):
@@ -91,7 +98,7 @@ def traced(fn: F, name: str | None = None) -> F:
     opaque = torch._dynamo.nonstrict_trace(body)
 
     def call(*args, **kwargs):
-        if not torch.compiler.is_dynamo_compiling():
+        if not dynamo_tracing():
             return fn(*args, **kwargs)
         return _ungraphed(opaque(*_encoded(args), **_encoded(kwargs)), args)
 

@@ -23,7 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .._communication._consensus import recorded
-from .._runtime._compile import compiling, traced
+from .._runtime._compile import compiling, dynamo_tracing, traced
 from .._trees._dtensor import _local as _local_shard
 from .._trees._dtensor import placed_like
 from .._trees._tree import PyTree, flatten, flatten_like, unflatten
@@ -210,7 +210,7 @@ def step(
     """
     update = opt.update_inplace or opt.update
     one_call = getattr(update, "funcshard_step", None)  # see [Note: a donated step is one call]
-    if one_call is not None and torch.compiler.is_dynamo_compiling():
+    if one_call is not None and dynamo_tracing():
         return one_call(params, grads, state)
     return _donated_step(update)(params, grads, state)
 
