@@ -100,7 +100,9 @@ class Comm:
     reductions by ``1/(world * over)``: ``over`` is the size of the expert-parallel dims whose
     ranks' losses the gradient already sums (see [Note: expert parallelism] in ``_parallel``);
     ``weight`` (``grad_reduce="weighted"``) scales this rank's input by it instead (see [Note:
-    ranks that average over different counts] in ``_counts``).
+    ranks that average over different counts] in ``_counts``). ``mode``: the execution mode the
+    collective runs in, which picks how it is issued, waited for and what it frees (see [Note:
+    one way per mode]; the default: plain autograd, waited at once).
     """
 
     group: dist.ProcessGroup = dataclasses.field(compare=False)
