@@ -295,8 +295,8 @@ def issued(t: torch.Tensor) -> torch.Tensor:
 
 def waits_for(t: torch.Tensor) -> bool:
     """Whether ``t`` is a collective output issued in this trace and not yet waited (and forget
-    it: it is waited now)."""
-    return _ISSUED.pop(id(t), None) is t
+    it: it is waited now). Cheap outside a trace, where nothing is issued: every wait asks."""
+    return bool(_ISSUED) and _ISSUED.pop(id(t), None) is t
 
 
 _WAITED: list[weakref.ref] = []  # wait_tensor outputs of the running trace since the last token
