@@ -195,6 +195,18 @@ CASES = {
         lambda: optim.adam(0.05, betas=(0.8, 0.9), weight_decay=0.01),
         lambda p: torch.optim.Adam(p.values(), lr=0.05, betas=(0.8, 0.9), weight_decay=0.01),
     ),
+    "adamw fused": (
+        lambda: optim.adamw(0.05, weight_decay=0.1, fused=True),
+        lambda p: torch.optim.AdamW(p.values(), lr=0.05, weight_decay=0.1, fused=True),
+    ),
+    "adamw fused counts beside the parameters": (
+        lambda: optim.adamw(0.05, weight_decay=0.1, fused=True, capturable=True),
+        lambda p: torch.optim.AdamW(p.values(), lr=0.05, weight_decay=0.1, fused=True),
+    ),
+    "adam fused mask": (
+        lambda: optim.adam(0.05, weight_decay=0.2, mask=optim.at_least_2d, fused=True),
+        lambda p: torch.optim.Adam(_groups(p, 0.2), lr=0.05, fused=True),
+    ),
     "adamw foreach": (
         lambda: optim.adamw(0.05, foreach=True),
         lambda p: torch.optim.AdamW(p.values(), lr=0.05, foreach=True),

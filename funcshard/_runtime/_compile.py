@@ -43,8 +43,9 @@ import torch.utils._pytree as torch_pytree
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ._compat import compiling as _compiling
-from ._compat import keep_mesh_hash_out_of_pickles
+# ``compiling``: whether funcshard's code runs as part of a ``torch.compile`` trace (see [Note:
+# a compile session on torch 2.11 and 2.12]); the rest of the package asks it through here.
+from ._compat import compiling, keep_mesh_hash_out_of_pickles
 
 keep_mesh_hash_out_of_pickles()  # compiled steps' graphs take meshes: [Note: a mesh in a cache key]
 
@@ -252,12 +253,6 @@ def untraced() -> contextlib.AbstractContextManager:
     """Leave the trace's fake and functional tensor modes, for metadata computed from real
     tensors that are not part of the program (a mesh's rank tensor, a placeholder)."""
     return _disable_current_modes()
-
-
-def compiling() -> bool:
-    """Whether funcshard's code runs as part of a ``torch.compile`` trace (see [Note: a compile
-    session on torch 2.11 and 2.12] in ``_compat``)."""
-    return _compiling()
 
 
 @contextlib.contextmanager

@@ -8,11 +8,14 @@ leaves for optree (``LocalShard`` is a pytree *node* only for ``torch.utils._pyt
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import optree
+import torch
+from torch.distributed.tensor import DTensor
 
 PyTree = Any
 
@@ -47,6 +50,83 @@ def flatten(
 
 def unflatten(spec: optree.PyTreeSpec, leaves: Sequence[Any]) -> PyTree:
     return optree.tree_unflatten(spec, list(leaves))
+
+
+# [Note: a dict of tensors is flattened without optree]
+# The trees an optimizer step reads -- the parameters of ``fs.extract``, their gradients, the
+# moments, the step counts -- are most often one plain dict of tensors keyed by name, and a
+# step pairs five or more of them. optree visits each leaf (a registry lookup, a node of the
+# spec), which for such dicts cost more than torch.optim's own loop over its parameters (see
+# BENCHMARKS.md); reading the values in optree's order, the sorted keys, is a few C calls.
+# ``dict_leaves`` does so only where the result is optree's to the leaf: a plain ``dict`` (not
+# a subclass, which optree may order otherwise) with sortable keys, whose values are tensors,
+# DTensors or ``None`` (leaves for optree with ``none_is_leaf=True``). Two such dicts pair
+# exactly when optree's specs of them compare equal: the same keys. Anything else takes
+# optree's path; ``tests/test_tree.py`` checks the two agree.
+_LEAF_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, DTensor, type(None)})
+
+
+def dict_leaves(tree: PyTree, keys: list | None = None) -> tuple[list, list] | None:
+    """``(keys, leaves)`` of a plain dict of tensors (``None`` entries kept as leaves), in
+    optree's order; with ``keys``, only if ``tree``'s keys are exactly those. ``None`` where
+    that does not hold: flatten with optree (see [Note: a dict of tensors is flattened without
+    optree])."""
+    if type(tree) is not dict:
+        return None
+    if keys is None:
+        try:
+            keys = sorted(tree)
+        except TypeError:  # keys of several types: optree keeps the insertion order
+            return None
+    elif len(tree) != len(keys):
+        return None
+    try:
+        leaves = [tree[k] for k in keys]
+    except KeyError:
+        return None
+    return (keys, leaves) if _LEAF_TYPES.issuperset(map(type, leaves)) else None
+
+
+@dataclasses.dataclass
+class Flat:
+    """A tree's leaves, ``None`` entries kept as leaves, in optree's order; and how to pair
+    another tree with it or rebuild it (see [Note: a dict of tensors is flattened without
+    optree])."""
+
+    tree: PyTree
+    leaves: list[Any]
+    keys: list | None  # the sorted keys of a dict of tensors, read without optree
+
+    @classmethod
+    def of(cls, tree: PyTree) -> Flat:
+        fast = dict_leaves(tree)
+        if fast is not None:
+            return cls(tree, fast[1], fast[0])
+        leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
+        flat = cls(tree, leaves, None)
+        flat.__dict__["spec"] = spec  # the cached property, known already
+        return flat
+
+    @functools.cached_property
+    def spec(self) -> optree.PyTreeSpec:
+        return optree.tree_structure(self.tree, none_is_leaf=True)
+
+    def leaves_of(self, other: PyTree) -> list[Any] | None:
+        """``other``'s leaves in this tree's order if the two have the same structure, else
+        ``None``."""
+        if self.keys is not None:
+            fast = dict_leaves(other, self.keys)
+            if fast is not None:
+                return fast[1]
+        leaves, spec = optree.tree_flatten(other, none_is_leaf=True)
+        return leaves if spec == self.spec else None
+
+    def rebuild(self, leaves: Sequence[Any]) -> PyTree:
+        """A tree of this structure with ``leaves`` (in this tree's order)."""
+        if self.keys is None:
+            return unflatten(self.spec, leaves)
+        by_key = dict(zip(self.keys, leaves, strict=True))
+        return {k: by_key[k] for k in self.tree}  # the dict's own order, as optree rebuilds it
 
 
 def map_with_path(fn: Callable[[str, Any], Any], tree: PyTree) -> PyTree:

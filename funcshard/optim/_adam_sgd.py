@@ -27,10 +27,10 @@ import dataclasses
 import functools
 import math
 import numbers
-from collections.abc import Callable
+import operator
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
-import optree
 import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam as torch_adam
@@ -39,7 +39,7 @@ from torch.optim.sgd import sgd as torch_sgd
 
 from .._runtime._compile import compiling
 from .._runtime._mode import capturing
-from .._trees._tree import PyTree, flatten, map_with_path, unflatten
+from .._trees._tree import Flat, PyTree, flatten, map_with_path
 from . import _opaque as opaque
 from ._base import (
     EmptyState,
@@ -48,6 +48,7 @@ from ._base import (
     leaves_like,
     local,
     locals_of,
+    without_grad,
     wrap,
 )
 from ._masked import Mask, resolve
@@ -224,7 +225,7 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
     """
     _check("add_decayed_weights", "weight_decay", weight_decay, weight_decay >= 0, ">= 0")
 
-    @torch.no_grad()
+    @without_grad
     def update(grads, state, params=None, inplace=False):
         s, _ = _pair("add_decayed_weights", grads, params)
         gs, ps = locals_of(s.grads, s.active), locals_of(s.params, s.active)
@@ -235,7 +236,7 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
         out = list(s.grads)
         for i, g in zip(s.active, gs, strict=True):
             out[i] = wrap(g, s.grads[i])
-        return unflatten(s.spec, out), state
+        return s.rebuild(out), state
 
     return GradientTransformation(
         lambda params: EmptyState(),
@@ -246,15 +247,29 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
 
 @dataclasses.dataclass
 class _Pairs:
-    spec: Any
-    params: list[Any]
+    flat: Flat  # the params
     grads: list[Any]
     active: list[int]  # leaves with a gradient
-    tree: PyTree  # the params as given: its key paths are read only for an error
+
+    @property
+    def params(self) -> list[Any]:
+        return self.flat.leaves
+
+    @property
+    def tree(self) -> PyTree:
+        return self.flat.tree
 
     @functools.cached_property
-    def paths(self) -> list[str]:
+    def paths(self) -> list[str]:  # read only for an error
         return flatten(self.tree, none_is_leaf=True)[0]
+
+    def rebuild(self, leaves: list) -> PyTree:
+        """A tree of the params' structure with ``leaves`` (in their order)."""
+        return self.flat.rebuild(leaves)
+
+    def of_active(self, leaves: list) -> list:
+        """The entries of ``leaves`` (in the params' order) that have a gradient."""
+        return leaves if len(self.active) == len(leaves) else [leaves[i] for i in self.active]
 
 
 def _pair(fn: str, grads, params, state: dict | None = None) -> tuple[_Pairs, dict[str, list]]:
@@ -265,20 +280,26 @@ def _pair(fn: str, grads, params, state: dict | None = None) -> tuple[_Pairs, di
     A training step passes the gradients of ``fs.value_and_grad`` and the state of ``init``:
     DTensors that share their parameter's spec (see [Note: one DTensorSpec per layout] in
     ``_trees/_dtensor``: the spec holds the global shape, stride, placements and dtype), so
-    "placed like the parameter" is one identity test per leaf. Those leaves are checked inline
-    and the trees are flattened without their key paths; only a leaf of another kind goes
-    through :func:`check_like`, and the key paths are read only when one is. On a host-bound
-    step this was most of the optimizer's Python."""
+    "placed like the parameter" is one identity test per leaf. When every parameter has a
+    gradient and every leaf is such a DTensor, the lists of specs are compared whole (list
+    equality tests identity first); otherwise the leaves are checked one by one, and only a
+    leaf of another kind goes through :func:`check_like`. The trees are flattened without their
+    key paths, which are read only for an error. On a host-bound step this was most of the
+    optimizer's Python."""
     if params is None:
         raise ValueError(
             f"{fn}: update needs params (torch's kernels compute the update from them): "
             "call opt.update(grads, state, params)."
         )
-    ps, spec = optree.tree_flatten(params, none_is_leaf=True)
-    pairs = _Pairs(spec, ps, [], [], params)
+    pairs = _Pairs(Flat.of(params), [], [])  # see [Note: a dict of tensors is flattened ...]
+    ps = pairs.params
     pairs.grads = leaves_of(grads, pairs, "grads", "params")
     fields = {k: leaves_of(v, pairs, f"{fn} state.{k}", "params") for k, v in (state or {}).items()}
     columns = list(fields.values())
+    specs = _specs(ps)  # see [Note: the common step checked in one pass]
+    if specs is not None and all(_specs(c) == specs for c in (pairs.grads, *columns)):
+        pairs.active = list(range(len(ps)))
+        return pairs, fields
     active, odd = pairs.active, []
     for i, (p, g) in enumerate(zip(ps, pairs.grads, strict=True)):
         if g is None:
@@ -309,14 +330,27 @@ def _pair(fn: str, grads, params, state: dict | None = None) -> tuple[_Pairs, di
     return pairs, fields
 
 
+# what the checks read from every leaf, list by list (see [Note: the common step checked ...])
+_SPEC, _DTYPE, _DEVICE = (operator.attrgetter(a) for a in ("_spec", "dtype", "device"))
+_TENSORS = frozenset({torch.Tensor})
+
+
+def _specs(leaves: list) -> list | None:
+    """The specs of ``leaves`` if every one is a DTensor (so none is ``None``), else ``None``."""
+    try:
+        return list(map(_SPEC, leaves))
+    except AttributeError:  # not a DTensor
+        return None
+
+
 def leaves_of(tree: PyTree, pairs: _Pairs, what: str, like_what: str) -> list[Any]:
     """Leaves of ``tree`` (``None`` entries kept) in the order of ``pairs``' parameters.
 
     Raises:
         ValueError: the structures differ, naming the keys.
     """
-    leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
-    if spec == pairs.spec:
+    leaves = pairs.flat.leaves_of(tree)
+    if leaves is not None:
         return leaves
     return leaves_like(tree, pairs.tree, what, like_what)  # raises, naming the keys
 
@@ -325,7 +359,7 @@ def _groups(hp: _Hyper, pairs: _Pairs) -> list[tuple[float, list[int]]]:
     """Active leaves split by weight decay, as two torch.optim parameter groups would be."""
     if hp.mask is None or hp.weight_decay == 0:
         return [(hp.weight_decay, pairs.active)]
-    decay = resolve(hp.mask, unflatten(pairs.spec, pairs.params), hp.name)
+    decay = resolve(hp.mask, pairs.tree, hp.name)
     return [
         (hp.weight_decay, [i for i in pairs.active if decay[i]]),
         (0.0, [i for i in pairs.active if not decay[i]]),
@@ -354,16 +388,15 @@ def _adam_init(hp: _Hyper, params: PyTree) -> AdamState:
     return AdamState(count, _zeros(params), _zeros(params), steps)
 
 
-@torch.no_grad()
+@without_grad
 def _adam_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
     _check_state(hp.name, state, AdamState)
     pairs, fields = _pair(hp.name, grads, params, {"mu": state.mu, "nu": state.nu})
     steps = _leaf_steps(hp.name, state, pairs)
-    device = _device_of([pairs.params[i] for i in pairs.active])
+    device = _device_of(pairs.params[i] for i in pairs.active)
     on_device = device is not None and _on_device(hp, device) and not compiling()
     if on_device:  # see [Note: counts on the device]
-        state = _counts_to(hp.name, state, steps, pairs, device)
-        steps = _leaf_steps(hp.name, state, pairs)
+        state, steps = _counts_to(hp.name, state, steps, pairs, device)
         count = state.count
         lr = _device_lr(hp, count, device)
         device_kw = {"capturable": _capturable_kernel(hp, device)}
@@ -387,6 +420,9 @@ def _adam_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
             continue
         if dict(hp.options)["fused"]:  # see [Note: fused kernels read dense gradients]
             lists = (lists[0], opaque.dense(lists[1]), *lists[2:])
+            if _fused_directly(lists[0], lr):
+                _fused_adam(hp, lists, leaf_steps, lr, weight_decay)
+                continue
         torch_adam(
             *lists, [], leaf_steps, foreach=hp.foreach, lr=lr, weight_decay=weight_decay,
             **dict(hp.options), **device_kw,
@@ -394,15 +430,49 @@ def _adam_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
     if inplace:
         state.count.add_(1)
         return _no_updates(pairs), state
-    trees = (unflatten(pairs.spec, t) for t in (mu, nu, steps))
+    trees = (pairs.rebuild(t) for t in (mu, nu, steps))
     return _differences(pairs, targets), AdamState(state.count + 1, *trees)
+
+
+def _fused_directly(params: list[torch.Tensor], lr: float | torch.Tensor) -> bool:
+    """Whether torch's fused Adam kernel can take ``params`` (local tensors) as one list.
+
+    [Note: the fused kernel called directly]
+    ``torch.optim.adam.adam(fused=True)`` sorts its lists by device and dtype in C++
+    (``_group_tensors_by_device_and_dtype``, a visit of every tensor of the five lists: after
+    the kernel and the steps' increment, the largest piece of a host-bound AdamW step; see
+    BENCHMARKS.md), increments the steps and calls ``torch._fused_adam(w)_`` once per group.
+    When every parameter has one device and one dtype -- the moments and gradients have their
+    parameter's, checked by ``_pair``; the steps are the state's own -- there is one group, and
+    :func:`_fused_adam` makes those two calls itself: the same kernel on the same lists with
+    the same arguments, so the same bits (``tests/test_optim.py`` compares with
+    ``torch.optim.AdamW(fused=True)`` over many steps). Anything else (several dtypes, an lr
+    tensor on another device) goes through torch's function.
+    """
+    if not params:
+        return False
+    devices = set(map(_DEVICE, params))
+    if len(devices) != 1 or len(set(map(_DTYPE, params))) != 1:
+        return False
+    return not isinstance(lr, torch.Tensor) or lr.device in devices
+
+
+def _fused_adam(hp: _Hyper, lists: tuple, steps: list, lr: float | torch.Tensor, wd: float):
+    """torch's fused Adam(W) on one group (see [Note: the fused kernel called directly])."""
+    o = dict(hp.options)
+    kernel = torch._fused_adamw_ if o["decoupled_weight_decay"] else torch._fused_adam_
+    torch._foreach_add_(steps, 1)
+    kernel(
+        *lists, [], steps, amsgrad=o["amsgrad"], lr=lr, beta1=o["beta1"], beta2=o["beta2"],
+        weight_decay=wd, eps=o["eps"], maximize=o["maximize"], grad_scale=None, found_inf=None,
+    )  # fmt: skip
 
 
 def _sgd_init(has_momentum: bool, params: PyTree) -> SgdState:
     return SgdState(_count(), _zeros(params) if has_momentum else None)
 
 
-@torch.no_grad()
+@without_grad
 def _sgd_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
     _check_state(hp.name, state, SgdState)
     has_momentum = dict(hp.options)["momentum"] != 0
@@ -449,7 +519,7 @@ def _sgd_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
     if inplace:
         state.count.add_(1)
         return _no_updates(pairs), state
-    momentum = unflatten(pairs.spec, bufs) if has_momentum else None
+    momentum = pairs.rebuild(bufs) if has_momentum else None
     return _differences(pairs, targets), SgdState(state.count + 1, momentum)
 
 
@@ -470,14 +540,14 @@ def _differences(pairs: _Pairs, targets: list) -> PyTree:
     for i in pairs.active:
         local(targets[i]).sub_(local(pairs.params[i]))
         out[i] = targets[i]
-    return unflatten(pairs.spec, out)
+    return pairs.rebuild(out)
 
 
 def _no_updates(pairs: _Pairs) -> PyTree:
-    return unflatten(pairs.spec, [None] * len(pairs.params))
+    return pairs.rebuild([None] * len(pairs.params))
 
 
-@torch.no_grad()
+@without_grad
 def _zeros(params: PyTree) -> PyTree:
     """Zeros like each floating-point parameter (placed like it: its own spec, see [Note: one
     DTensorSpec per layout] in ``_trees/_dtensor``), ``None`` for the others."""
@@ -491,7 +561,7 @@ def _count(device: torch.device | None = None) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64, device=device)
 
 
-def _device_of(leaves: list) -> torch.device | None:
+def _device_of(leaves: Iterable) -> torch.device | None:
     """The device of the first floating-point tensor among ``leaves`` (a DTensor's local one)."""
     for x in leaves:
         if isinstance(x, torch.Tensor) and x.is_floating_point():
@@ -527,17 +597,19 @@ def _capturable_kernel(hp: _Hyper, device: torch.device) -> bool:
     return hp.capturable and not fused and device.type in _get_capturable_supported_devices()
 
 
-def _counts_to(name: str, state, steps: list, pairs: _Pairs, device: torch.device):
-    """``state`` with its count and the active leaves' steps on ``device``: as it is when they
-    are there already, else moved (a state saved with host counts, or made by an optimizer
-    without ``capturable``/``fused``).
+def _counts_to(
+    name: str, state, steps: list, pairs: _Pairs, device: torch.device
+) -> tuple[Any, list]:
+    """``state`` with its count and the active leaves' steps on ``device``, and its steps: as
+    they are when they are there already, else moved (a state saved with host counts, or made
+    by an optimizer without ``capturable``/``fused``).
 
     Raises:
         RuntimeError: they must move while a CUDA graph is being captured.
     """
+    if state.count.device == device and set(map(_DEVICE, pairs.of_active(steps))) <= {device}:
+        return state, steps
     moved = [i for i in pairs.active if steps[i].device != device]
-    if state.count.device == device and not moved:
-        return state
     if capturing():
         where = state.count.device if state.count.device != device else steps[moved[0]].device
         raise RuntimeError(
@@ -550,8 +622,7 @@ def _counts_to(name: str, state, steps: list, pairs: _Pairs, device: torch.devic
     new = list(steps)
     for i in moved:
         new[i] = steps[i].to(device)
-    tree = unflatten(pairs.spec, new)
-    return state._replace(count=state.count.to(device), steps=tree)
+    return state._replace(count=state.count.to(device), steps=pairs.rebuild(new)), new
 
 
 def _device_lr(hp: _Hyper, count: torch.Tensor, device: torch.device) -> float | torch.Tensor:
@@ -632,6 +703,13 @@ def _first(hp: _Hyper, count) -> bool:
 def _leaf_steps(name: str, state: AdamState, pairs: _Pairs) -> list:
     """The state's per-leaf step counts in ``pairs``' order, checked to be 0-dim tensors."""
     steps = leaves_of(state.steps, pairs, f"{name} state.steps", "params")
+    active = pairs.of_active(steps)
+    if (
+        _TENSORS.issuperset(map(type, active))
+        and set(map(torch.Tensor.dim, active)) <= {0}
+        and all(d.is_floating_point for d in set(map(_DTYPE, active)))
+    ):
+        return steps  # the common case, checked list by list
     for i in pairs.active:
         t = steps[i]
         if not isinstance(t, torch.Tensor) or t.ndim != 0 or not t.is_floating_point():

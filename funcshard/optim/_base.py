@@ -15,10 +15,11 @@ returns ``None`` updates for those leaves: nothing is left to add.
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import optree
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -26,7 +27,7 @@ from .._communication._consensus import recorded
 from .._runtime._compile import compiling, dynamo_tracing, traced
 from .._trees._dtensor import _local as _local_shard
 from .._trees._dtensor import placed_like
-from .._trees._tree import PyTree, flatten, flatten_like, unflatten
+from .._trees._tree import Flat, PyTree, flatten, flatten_like
 
 InitFn = Callable[[PyTree], Any]
 UpdateFn = Callable[..., tuple[PyTree, Any]]
@@ -88,10 +89,18 @@ def local(x: torch.Tensor) -> torch.Tensor:
 
 
 def locals_of(xs: list, idx: list[int]) -> list[torch.Tensor]:
-    """:func:`local` of ``xs[i]`` for each ``i`` in ``idx``, with the mode asked once per list."""
+    """:func:`local` of ``xs[i]`` for each ``i`` in ``idx`` (ascending), with the mode asked
+    once per list."""
     if compiling():
         return [local(xs[i]) for i in idx]
-    return [x._local_tensor if type(x) is DTensor else x for x in (xs[i] for i in idx)]
+    picked = xs if len(idx) == len(xs) else [xs[i] for i in idx]
+    try:
+        return list(map(_LOCAL, picked))  # DTensors: the common case, one call
+    except AttributeError:
+        return [x._local_tensor if isinstance(x, DTensor) else x for x in picked]
+
+
+_LOCAL = operator.attrgetter("_local_tensor")
 
 
 def _spec(x: Any) -> Any:
@@ -150,8 +159,22 @@ def _wrong_dtype(fn: str, path: str, x: torch.Tensor, like: torch.Tensor, what: 
     )
 
 
+def without_grad(fn: Callable) -> Callable:
+    """``fn``, run under ``torch.no_grad()``, which is entered only where gradients are on: a
+    donated step would enter it three times, a fixed cost of every step."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+
+    return run
+
+
 @traced  # see [Note: funcshard under torch.compile]
-@torch.no_grad()
+@without_grad
 def apply_updates(params: PyTree, updates: PyTree, *, inplace: bool = False) -> PyTree:
     """``params + updates``, leaf by leaf; a ``None`` update leaves the parameter as it is.
 
@@ -170,9 +193,9 @@ def apply_updates(params: PyTree, updates: PyTree, *, inplace: bool = False) -> 
             parameter's; TypeError: an update for a ``None`` parameter, or a DTensor update for
             a plain parameter (or the reverse).
     """
-    ps, spec = optree.tree_flatten(params, none_is_leaf=True)
-    us, found = optree.tree_flatten(updates, none_is_leaf=True)
-    if found != spec:
+    flat = Flat.of(params)  # see [Note: a dict of tensors is flattened without optree]
+    ps, us = flat.leaves, flat.leaves_of(updates)
+    if us is None:
         leaves_like(updates, params, "updates", "params")  # raises, naming the keys
     todo = [i for i, u in enumerate(us) if u is not None]
     odd = [i for i in todo if type(us[i]) is not DTensor or us[i]._spec is not _spec(ps[i])]
@@ -191,7 +214,7 @@ def apply_updates(params: PyTree, updates: PyTree, *, inplace: bool = False) -> 
     out = list(ps)
     for i, s in zip(todo, sums, strict=True):
         out[i] = wrap(s, ps[i]).requires_grad_(ps[i].requires_grad)
-    return unflatten(spec, out)
+    return flat.rebuild(out)
 
 
 def step(

@@ -25,7 +25,7 @@ from .._communication._consensus import before_collective
 from .._runtime._compat import compiling
 from .._trees._parallel import sub_mesh_problem
 from .._trees._tree import PyTree, flatten, unflatten
-from ._base import GradientTransformation, local, wrap
+from ._base import GradientTransformation, local, without_grad, wrap
 
 
 class ClipState(NamedTuple):
@@ -35,7 +35,7 @@ class ClipState(NamedTuple):
     norm: torch.Tensor
 
 
-@torch.no_grad()
+@without_grad
 def global_norm(tree: PyTree) -> torch.Tensor:
     """The L2 norm of all elements of ``tree``, as if every leaf were gathered and concatenated.
 
@@ -127,7 +127,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         devices = [local(x).device for x in flatten(params)[1]]
         return ClipState(torch.zeros((), device=devices[0] if devices else None))
 
-    @torch.no_grad()
+    @without_grad
     def update(grads, state, params=None, inplace=False):
         if not isinstance(state, ClipState):
             raise TypeError(

@@ -18,7 +18,7 @@ import torch
 
 from .._trees._tree import PyTree, flatten, unflatten
 from ._adam_sgd import _check, _check_state
-from ._base import leaves_like, local, wrap
+from ._base import leaves_like, local, without_grad, wrap
 
 
 class EmaState(NamedTuple):
@@ -58,7 +58,7 @@ def ema(decay: float, *, dtype: torch.dtype | None = None) -> Ema:
     """
     _check("ema", "decay", decay, isinstance(decay, int | float) and 0 <= decay <= 1, "in [0, 1]")
 
-    @torch.no_grad()
+    @without_grad
     def init(params: PyTree) -> EmaState:
         _, leaves, spec = flatten(params, none_is_leaf=True)
         average = [
@@ -69,7 +69,7 @@ def ema(decay: float, *, dtype: torch.dtype | None = None) -> Ema:
         ]
         return EmaState(torch.zeros((), dtype=torch.int64), unflatten(spec, average))
 
-    @torch.no_grad()
+    @without_grad
     def update(state: EmaState, params: PyTree, inplace: bool = False) -> EmaState:
         _check_state("ema", state, EmaState)
         _, ps, spec = flatten(params, none_is_leaf=True)

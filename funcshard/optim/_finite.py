@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from .._communication import _liveness
 from .._communication._consensus import before_collective
 from .._trees._tree import PyTree, flatten, unflatten
-from ._base import GradientTransformation, local
+from ._base import GradientTransformation, local, without_grad
 
 
 class ApplyIfFiniteState(NamedTuple):
@@ -87,7 +87,7 @@ def apply_if_finite(
     )
 
 
-@torch.no_grad()
+@without_grad
 def all_finite(tree: PyTree) -> bool:
     """Whether every element of every leaf of ``tree`` is finite, on every rank (the same answer
     on every rank; one all-reduce when ``tree`` holds DTensors). ``None`` leaves are skipped."""

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from .._trees._spec import ShardSpec
-from .._trees._tree import PyTree, flatten, map_with_path, unflatten
+from .._trees._tree import PyTree, flatten, map_with_path
 from . import _whole
 from ._adam_sgd import (
     LearningRate,
@@ -43,7 +43,7 @@ from ._adam_sgd import (
     _pair,
     _writable,
 )
-from ._base import GradientTransformation, local
+from ._base import GradientTransformation, local, without_grad
 from ._masked import Mask, resolve
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
@@ -146,7 +146,7 @@ def _check_dims(m: _Muon, tree: PyTree) -> None:
         )
 
 
-@torch.no_grad()
+@without_grad
 def _init(m: _Muon, params: PyTree) -> MuonState:
     _check_dims(m, params)
     zeros = map_with_path(
@@ -155,12 +155,12 @@ def _init(m: _Muon, params: PyTree) -> MuonState:
     return MuonState(_count(), zeros)
 
 
-@torch.no_grad()
+@without_grad
 def _update(m: _Muon, grads, state, params=None, *, inplace: bool):
     _check_state("muon", state, MuonState)
     pairs, fields = _pair("muon", grads, params, {"momentum": state.momentum})
     trained = [p if g is not None else None for p, g in zip(pairs.params, pairs.grads, strict=True)]
-    _check_dims(m, unflatten(pairs.spec, trained))
+    _check_dims(m, pairs.rebuild(trained))
     count = _count_of("muon", state)
     lr = _lr_at(m.hp, count)
     bufs = _writable(fields["momentum"], pairs.active, inplace)
@@ -182,7 +182,7 @@ def _update(m: _Muon, grads, state, params=None, *, inplace: bool):
     if inplace:
         state.count.add_(1)
         return _no_updates(pairs), state
-    return _differences(pairs, targets), MuonState(state.count + 1, unflatten(pairs.spec, bufs))
+    return _differences(pairs, targets), MuonState(state.count + 1, pairs.rebuild(bufs))
 
 
 def _orthogonalise(m: _Muon, leaves: list, updates: list[torch.Tensor]) -> list[list]:
