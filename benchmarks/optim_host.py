@@ -5,10 +5,14 @@ tensors the kernel costs almost nothing, so a step is the host's work, as on a G
 for Python. ``torch.optim.AdamW`` steps the local shards as its parameters (the floor: what an
 optimizer must do); ``fs.optim.step`` of ``fs.optim.adamw`` steps the sharded tree (DTensors),
 with gradients as ``fs.value_and_grad`` returns them (placed like their parameters). Both with
-the same kernel (``fused=True`` by default, ``--foreach`` for the foreach kernel). The step
-thread's CPU time per step, medians over alternating rounds; nothing is asserted.
+the same kernel (``fused=True`` by default, ``--foreach`` for the foreach kernel). With
+``--device-counts`` fs.optim keeps its step counts as tensors beside the parameters
+(``capturable=True``), the path ``fused=True`` takes on a GPU; torch.optim runs as before (it has
+no capturable CPU kernel). The step thread's CPU time per step, medians over alternating
+rounds; nothing is asserted.
 
     OMP_NUM_THREADS=1 python -m benchmarks.optim_host [--leaves 16,128,512] [--foreach]
+        [--device-counts]
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ from . import harness
 LR, WD, WIDTH = 1e-3, 0.1, 32
 
 
-def steps(n: int, mesh, kernel: dict) -> tuple[dict[str, Callable[[int], object]], Callable]:
+def steps(
+    n: int, mesh, kernel: dict, device_counts: bool = False
+) -> tuple[dict[str, Callable[[int], object]], Callable]:
     """Step functions of both optimizers on ``n`` parameters of ``WIDTH x WIDTH``, and a check
     that their parameters are equal."""
     g = torch.Generator().manual_seed(0)
@@ -44,7 +50,7 @@ def steps(n: int, mesh, kernel: dict) -> tuple[dict[str, Callable[[int], object]
     for p, gr in zip(leaves, grads.values(), strict=True):
         p.grad = gr.to_local().clone()
     topt = torch.optim.AdamW(leaves, lr=LR, weight_decay=WD, **kernel)
-    opt = fs.optim.adamw(LR, weight_decay=WD, **kernel)
+    opt = fs.optim.adamw(LR, weight_decay=WD, capturable=device_counts, **kernel)
     box = {"p": sharded, "s": opt.init(sharded)}
 
     def fs_step(i: int) -> None:
@@ -59,9 +65,9 @@ def steps(n: int, mesh, kernel: dict) -> tuple[dict[str, Callable[[int], object]
     return fns, same
 
 
-def measure(n: int, mesh, kernel: dict, rounds: int) -> dict[str, float]:
+def measure(n: int, mesh, kernel: dict, rounds: int, device_counts: bool) -> dict[str, float]:
     host: dict[str, list[float]] = {}
-    fns, same = steps(n, mesh, kernel)
+    fns, same = steps(n, mesh, kernel, device_counts)
     per = 20  # steps per round: a round is long enough for the thread clock
 
     def batch(fn):
@@ -79,6 +85,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--leaves", default="16,128,512", help="parameter counts, comma-separated")
     ap.add_argument("--foreach", action="store_true", help="the foreach kernel, not the fused")
+    ap.add_argument(
+        "--device-counts", action="store_true", help="fs.optim with capturable=True (a GPU path)"
+    )
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--out", type=Path, default=harness.RESULTS, help="results folder")
     args = ap.parse_args(argv)
@@ -89,10 +98,11 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         mesh = init_device_mesh("cpu", (1,))
         t0 = time.perf_counter()
-        rows = {n: measure(n, mesh, kernel, args.rounds) for n in map(int, args.leaves.split(","))}
+        rows = {n: measure(n, mesh, kernel, args.rounds, args.device_counts)
+                for n in map(int, args.leaves.split(","))}  # fmt: skip
     finally:
         dist.destroy_process_group()
-    name = "fused" if not args.foreach else "foreach"
+    name = ("fused" if not args.foreach else "foreach") + ("-device-counts" * args.device_counts)
     print(f"AdamW ({name}) host ms per step, one rank, {WIDTH}x{WIDTH} parameters")
     print(f"{'leaves':>8} {'torch.optim':>12} {'fs.optim':>10} {'ratio':>7}  same parameters")
     for n, r in rows.items():
