@@ -25,6 +25,7 @@ import collections
 import dataclasses
 import functools
 import itertools
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -354,31 +355,61 @@ def spec_of(path: str, leaf, fn: str) -> ShardSpec:
     if isinstance(leaf, LocalShard):
         spec = leaf.spec
     elif isinstance(leaf, torch.Tensor) and isinstance(dt := _dtensor.unwrap(leaf), DTensor):
-        world = dist.group.WORLD if dist.is_initialized() else None
-        found = _CHECKED.get(id(dt._spec))
-        if found is not None and found[0] is dt._spec and found[1] is world:
-            _CHECKED.move_to_end(id(dt._spec))
-            return found[2]
-        spec = ShardSpec.of(dt)
+        world = BySpec.world()
+        found = _CHECKED.get(dt._spec, world)
+        if found is not None:
+            return found
+        return _CHECKED.put(dt._spec, world, _checked(path, ShardSpec.of(dt), fn))
     else:
         _not_a_shard(path, leaf, fn)
+    return _checked(path, spec, fn)
+
+
+def _checked(path: str, spec: ShardSpec, fn: str) -> ShardSpec:
     check_storage_placements(path, spec.placements, spec.mesh, len(spec.shape), fn, spec.dp_dims)
     check_mesh(path, spec.mesh, fn)
-    if not isinstance(leaf, LocalShard):
-        _CHECKED[id(dt._spec)] = (dt._spec, world, spec)
-        while len(_CHECKED) > _CHECKED_SIZE:
-            _CHECKED.popitem(last=False)
     return spec
 
 
-# [Note: checked DTensor specs]
-# A parameter's DTensors share one DTensorSpec object from step to step (value_and_grad's
-# fresh leaves, the optimizer's results and the gradients are made around the same spec), so
-# the checked ShardSpec of a DTensor is remembered by the identity of its DTensorSpec (kept
-# alive by the entry, so the identity cannot be reused) and of the default process group the
-# mesh was checked against. Bounded: least recently used entries are dropped.
-_CHECKED: collections.OrderedDict[int, tuple] = collections.OrderedDict()
-_CHECKED_SIZE = 1 << 14
+class BySpec:
+    """Values computed from a DTensor's ``DTensorSpec`` (and the default process group),
+    remembered by the spec's identity.
+
+    [Note: checked DTensor specs]
+    A parameter's DTensors share one DTensorSpec object from step to step (value_and_grad's
+    fresh leaves, the optimizer's results and the gradients are made around the same spec), so
+    what is computed from a DTensor's layout alone -- its checked ShardSpec, the replicas the
+    global norm divides by -- is remembered by the identity of its DTensorSpec (kept alive by
+    the entry, so the identity cannot be reused) and of the default process group the mesh was
+    checked against. Bounded: least recently used entries are dropped.
+    """
+
+    def __init__(self, size: int = 1 << 14) -> None:
+        self._table: collections.OrderedDict[int, tuple] = collections.OrderedDict()
+        self._size = size
+
+    @staticmethod
+    def world() -> Any:
+        """The default process group (``None`` before one exists): part of every key."""
+        return dist.group.WORLD if dist.is_initialized() else None
+
+    def get(self, spec: Any, world: Any) -> Any:
+        """The value remembered for ``spec`` under ``world``, or ``None``."""
+        found = self._table.get(id(spec))
+        if found is None or found[0] is not spec or found[1] is not world:
+            return None
+        self._table.move_to_end(id(spec))
+        return found[2]
+
+    def put(self, spec: Any, world: Any, value: Any) -> Any:
+        """Remember ``value`` (not ``None``) for ``spec`` under ``world``; returns it."""
+        self._table[id(spec)] = (spec, world, value)
+        while len(self._table) > self._size:
+            self._table.popitem(last=False)
+        return value
+
+
+_CHECKED = BySpec()
 
 
 def check_mesh(path: str, mesh: DeviceMesh, fn: str) -> None:

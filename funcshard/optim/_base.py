@@ -307,16 +307,21 @@ def _check_chain_state(state, n: int) -> None:
 
 
 def _check_not_applied(before: PyTree, after: PyTree, i: int, n: int) -> None:
-    paths, b, _ = flatten(before, none_is_leaf=True)
-    a = leaves_like(after, before, "updates", "grads")
-    for path, x, y in zip(paths, b, a, strict=True):
-        if x is not None and y is None:
-            raise ValueError(
-                f"chain: transformation {i} of {n} applied its update to the parameters in place "
-                f"(at {path!r}), leaving nothing for the transformations after it. Kernel "
-                "transformations (adam, adamw, sgd) must come last to be used with "
-                "fs.optim.step; or use the pure opt.update."
-            )
+    if after is before:  # scaled in place (a clip): nothing was applied
+        return
+    flat = Flat.of(before)
+    b, a = flat.leaves, flat.leaves_of(after)
+    if a is None:
+        a = leaves_like(after, before, "updates", "grads")  # raises, naming the keys
+    gone = [x is not None and y is None for x, y in zip(b, a, strict=True)]
+    if any(gone):
+        path = flatten(before, none_is_leaf=True)[0][gone.index(True)]
+        raise ValueError(
+            f"chain: transformation {i} of {n} applied its update to the parameters in place "
+            f"(at {path!r}), leaving nothing for the transformations after it. Kernel "
+            "transformations (adam, adamw, sgd) must come last to be used with "
+            "fs.optim.step; or use the pure opt.update."
+        )
 
 
 def set_grads(params: PyTree, grads: PyTree) -> None:

@@ -13,6 +13,7 @@ every leaf at once. The result is the same on every rank.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -24,8 +25,9 @@ from .._communication import _liveness
 from .._communication._consensus import before_collective
 from .._runtime._compat import compiling
 from .._trees._parallel import sub_mesh_problem
-from .._trees._tree import PyTree, flatten, unflatten
-from ._base import GradientTransformation, local, without_grad, wrap
+from .._trees._spec import BySpec
+from .._trees._tree import Flat, PyTree, flatten
+from ._base import GradientTransformation, local, locals_of, without_grad, wrap
 
 
 class ClipState(NamedTuple):
@@ -51,28 +53,32 @@ def global_norm(tree: PyTree) -> torch.Tensor:
         ValueError: a leaf is a ``Partial`` DTensor (reduce it first), lives on a mesh that does
             not span all ranks, or the tree mixes DTensors with plain tensors.
     """
-    paths, leaves, _ = flatten(tree)
-    dtensors = [isinstance(x, DTensor) for x in leaves]
-    if any(dtensors) and not all(dtensors):
-        plain = next(p for p, d in zip(paths, dtensors, strict=True) if not d)
+    leaves = [x for x in Flat.of(tree).leaves if x is not None]  # see [Note: a dict of ...]
+
+    def paths() -> list[str]:  # for an error only
+        return flatten(tree)[0]
+
+    kinds = set(map(type, leaves))
+    sharded = any(issubclass(k, DTensor) for k in kinds)
+    if sharded and not all(issubclass(k, DTensor) for k in kinds):
+        plain = next(p for p, x in zip(paths(), leaves, strict=True) if not isinstance(x, DTensor))
         raise ValueError(
             f"global_norm: {plain!r} is a plain tensor in a tree of DTensors, so it is unclear "
             "whether it is the same on every rank; shard every leaf (fs.shard) or none."
         )
-    if any(dtensors):  # see [Note: the optimizer rides the next check] in _updates
+    if sharded:  # see [Note: the optimizer rides the next check] in _updates
         before_collective("global_norm's all-reduce")
     if not leaves:
         return torch.zeros(())
-    locals_ = [local(x) for x in leaves]
+    locals_ = locals_of(leaves, range(len(leaves)))
     norms = torch._foreach_norm(locals_, 2, dtype=torch.float32)
-    squares = torch._foreach_mul(norms, norms)
-    if any(dtensors):
-        weights = [1 / _replicas(p, x) for p, x in zip(paths, leaves, strict=True)]
-        if any(w != 1 for w in weights):  # Python numbers: no host tensor copied in (capturable)
-            squares = torch._foreach_mul(squares, weights)
-    squares = torch.stack(squares)
-    total = squares.sum()
-    if any(dtensors):
+    weights = _weights(leaves, paths) if sharded else None
+    if weights is None:
+        norms = torch.stack(norms)
+        total = (norms * norms).sum()
+    else:  # Python numbers: no host tensor copied in (capturable)
+        total = torch.stack(torch._foreach_mul(torch._foreach_mul(norms, norms), weights)).sum()
+    if sharded and dist.get_world_size() > 1:
         _liveness.doing("fs.optim.global_norm (the optimizer's clip): the all_reduce of the norm")
         try:
             if compiling():  # see [Note: the norm's all-reduce under torch.compile]
@@ -93,11 +99,26 @@ def global_norm(tree: PyTree) -> torch.Tensor:
 # all-reduced with the functional collective instead, as funcshard's other collectives are.
 
 
-def _replicas(path: str, x: DTensor) -> int:
+def _weights(leaves: list[DTensor], paths: Callable[[], list[str]]) -> list[float] | None:
+    """``1 / replicas`` per leaf (see [Note: each element once]), or ``None`` when every one is
+    1; remembered per DTensorSpec (see [Note: checked DTensor specs] in ``_trees/_spec``)."""
+    world, weights = BySpec.world(), []
+    for i, x in enumerate(leaves):
+        w = _WEIGHTS.get(x._spec, world)
+        if w is None:
+            w = _WEIGHTS.put(x._spec, world, 1 / _replicas(lambda i=i: paths()[i], x))
+        weights.append(w)
+    return None if all(w == 1 for w in weights) else weights
+
+
+_WEIGHTS = BySpec()
+
+
+def _replicas(path: Callable[[], str], x: DTensor) -> int:
     mesh, world = x.device_mesh, dist.get_world_size()
     if mesh.size() != world and sub_mesh_problem(mesh):
         raise ValueError(
-            f"global_norm: {path!r} lives on a mesh of {mesh.size()} ranks, but the norm is "
+            f"global_norm: {path()!r} lives on a mesh of {mesh.size()} ranks, but the norm is "
             f"summed over all {world} ranks; shard over a mesh of every rank."
         )
     n = world // mesh.size()  # the data-parallel mesh of FSDP x TP: the same on every tp rank
@@ -106,7 +127,7 @@ def _replicas(path: str, x: DTensor) -> int:
             n *= mesh.size(i)
         elif not isinstance(p, Shard | _StridedShard):
             raise ValueError(
-                f"global_norm: {path!r} has placement {p}; reduce partial gradients first "
+                f"global_norm: {path()!r} has placement {p}; reduce partial gradients first "
                 "(fs.reduce) so that each element has a value."
             )
     return n
@@ -136,9 +157,10 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
             )
         norm = global_norm(grads)
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        _, gs, spec = flatten(grads, none_is_leaf=True)
+        flat = Flat.of(grads)
+        gs = flat.leaves
         todo = [i for i, g in enumerate(gs) if g is not None]
-        tensors = [local(gs[i]) for i in todo]
+        tensors = locals_of(gs, todo)
         if inplace:
             torch._foreach_mul_(tensors, coef)
             return grads, ClipState(norm)
@@ -150,7 +172,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         out = list(gs)
         for i, s in zip(todo, scaled, strict=True):
             out[i] = wrap(s, gs[i])
-        return unflatten(spec, out), ClipState(norm)
+        return flat.rebuild(out), ClipState(norm)
 
     return GradientTransformation(
         init, update, lambda grads, state, params=None: update(grads, state, params, True)
