@@ -8,11 +8,15 @@ with gradients as ``fs.value_and_grad`` returns them (placed like their paramete
 the same kernel (``fused=True`` by default, ``--foreach`` for the foreach kernel). With
 ``--device-counts`` fs.optim keeps its step counts as tensors beside the parameters
 (``capturable=True``), the path ``fused=True`` takes on a GPU; torch.optim runs as before (it has
-no capturable CPU kernel). The step thread's CPU time per step, medians over alternating
-rounds; nothing is asserted.
+no capturable CPU kernel). With ``--clip`` both clip the gradients by their global norm first,
+the common recipe: ``fs.optim.chain(fs.optim.clip_by_global_norm(m), adamw)`` against
+``torch.nn.utils.clip_grad_norm_(foreach=True)`` and the same AdamW (``m`` above the norm, so
+that both scale by exactly 1 and their parameters stay comparable bit for bit; the norm, its
+all-reduce and the scaling run all the same). The step thread's CPU time per step, medians
+over alternating rounds; nothing is asserted.
 
     OMP_NUM_THREADS=1 python -m benchmarks.optim_host [--leaves 16,128,512] [--foreach]
-        [--device-counts]
+        [--device-counts] [--clip]
 """
 
 from __future__ import annotations
@@ -34,10 +38,11 @@ from funcshard._trees._dtensor import placed_like
 from . import harness
 
 LR, WD, WIDTH = 1e-3, 0.1, 32
+MAX_NORM = 1e6  # above any gradient's norm here: clipping scales by exactly 1
 
 
 def steps(
-    n: int, mesh, kernel: dict, device_counts: bool = False
+    n: int, mesh, kernel: dict, device_counts: bool = False, clip: bool = False
 ) -> tuple[dict[str, Callable[[int], object]], Callable]:
     """Step functions of both optimizers on ``n`` parameters of ``WIDTH x WIDTH``, and a check
     that their parameters are equal."""
@@ -51,6 +56,8 @@ def steps(
         p.grad = gr.to_local().clone()
     topt = torch.optim.AdamW(leaves, lr=LR, weight_decay=WD, **kernel)
     opt = fs.optim.adamw(LR, weight_decay=WD, capturable=device_counts, **kernel)
+    if clip:
+        opt = fs.optim.chain(fs.optim.clip_by_global_norm(MAX_NORM), opt)
     box = {"p": sharded, "s": opt.init(sharded)}
 
     def fs_step(i: int) -> None:
@@ -61,13 +68,18 @@ def steps(
         ours = [v.to_local() for v in box["p"].values()]
         return all(torch.equal(a, b) for a, b in zip(ours, leaves, strict=True))
 
-    fns = {"torch.optim.AdamW": lambda i: topt.step(), "fs.optim.adamw": fs_step}
+    def torch_step(i: int) -> None:
+        if clip:
+            torch.nn.utils.clip_grad_norm_(leaves, MAX_NORM, foreach=True)
+        topt.step()
+
+    fns = {"torch.optim.AdamW": torch_step, "fs.optim.adamw": fs_step}
     return fns, same
 
 
-def measure(n: int, mesh, kernel: dict, rounds: int, device_counts: bool) -> dict[str, float]:
+def measure(n: int, mesh, kernel: dict, rounds: int, **variant: bool) -> dict[str, float]:
     host: dict[str, list[float]] = {}
-    fns, same = steps(n, mesh, kernel, device_counts)
+    fns, same = steps(n, mesh, kernel, **variant)
     per = 20  # steps per round: a round is long enough for the thread clock
 
     def batch(fn):
@@ -88,6 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--device-counts", action="store_true", help="fs.optim with capturable=True (a GPU path)"
     )
+    ap.add_argument("--clip", action="store_true", help="clip by the global norm first")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--out", type=Path, default=harness.RESULTS, help="results folder")
     args = ap.parse_args(argv)
@@ -98,11 +111,13 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         mesh = init_device_mesh("cpu", (1,))
         t0 = time.perf_counter()
-        rows = {n: measure(n, mesh, kernel, args.rounds, args.device_counts)
+        variant = {"device_counts": args.device_counts, "clip": args.clip}
+        rows = {n: measure(n, mesh, kernel, args.rounds, **variant)
                 for n in map(int, args.leaves.split(","))}  # fmt: skip
     finally:
         dist.destroy_process_group()
     name = ("fused" if not args.foreach else "foreach") + ("-device-counts" * args.device_counts)
+    name += "-clip" * args.clip
     print(f"AdamW ({name}) host ms per step, one rank, {WIDTH}x{WIDTH} parameters")
     print(f"{'leaves':>8} {'torch.optim':>12} {'fs.optim':>10} {'ratio':>7}  same parameters")
     for n, r in rows.items():

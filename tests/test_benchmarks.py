@@ -261,8 +261,8 @@ def test_host_part_runs_quick():
 def test_optim_host_part_steps_both_optimizers_alike(tmp_path):
     """benchmarks/optim_host.py: fs.optim and torch.optim on the same shards end with the same
     parameters (the same fused kernel, as many steps each), for both kernels, and with
-    fs.optim's counts beside the parameters."""
-    for kernel in ([], ["--foreach"], ["--device-counts"]):
+    fs.optim's counts beside the parameters, and with clipping by the global norm."""
+    for kernel in ([], ["--foreach"], ["--device-counts"], ["--clip"]):
         out = subprocess.run(
             [sys.executable, "-m", "benchmarks.optim_host", "--leaves", "3,5", "--rounds", "1",
              "--out", str(tmp_path), *kernel],
