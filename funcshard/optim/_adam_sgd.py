@@ -90,6 +90,11 @@ class _Hyper:
     options: tuple[tuple[str, Any], ...]  # the kernel's own keyword arguments
     capturable: bool = False  # see [Note: counts on the device]
 
+    @functools.cached_property
+    def kernel(self) -> dict[str, Any]:
+        """``options`` as keyword arguments (made once: every step reads them)."""
+        return dict(self.options)
+
 
 def adam(
     lr: LearningRate,
@@ -228,7 +233,7 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
     @without_grad
     def update(grads, state, params=None, inplace=False):
         s, _ = _pair("add_decayed_weights", grads, params)
-        gs, ps = locals_of(s.grads, s.active), locals_of(s.params, s.active)
+        gs, ps = locals_of(s.active, s.grads, s.params)
         if inplace:
             torch._foreach_add_(gs, ps, alpha=weight_decay)
         else:
@@ -412,20 +417,20 @@ def _adam_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
     targets = _writable(pairs.params, pairs.active, inplace)
     traced = not on_device and isinstance(count, torch.Tensor)  # under torch.compile
     for weight_decay, idx in _groups(hp, pairs):
-        lists = tuple(locals_of(xs, idx) for xs in (targets, pairs.grads, mu, nu))
+        lists = locals_of(idx, targets, pairs.grads, mu, nu)
         leaf_steps = [steps[i] for i in idx]  # incremented by the kernel
         if traced:  # see [Note: the optimizer in a compiled step]
             kw = dict(lr=lr, weight_decay=weight_decay, foreach=hp.foreach, options=hp.options)
             opaque.adam(*lists, leaf_steps, **kw)
             continue
-        if dict(hp.options)["fused"]:  # see [Note: fused kernels read dense gradients]
+        if hp.kernel["fused"]:  # see [Note: fused kernels read dense gradients]
             lists = (lists[0], opaque.dense(lists[1]), *lists[2:])
             if _fused_directly(lists[0], lr):
                 _fused_adam(hp, lists, leaf_steps, lr, weight_decay)
                 continue
         torch_adam(
             *lists, [], leaf_steps, foreach=hp.foreach, lr=lr, weight_decay=weight_decay,
-            **dict(hp.options), **device_kw,
+            **hp.kernel, **device_kw,
         )  # fmt: skip
     if inplace:
         state.count.add_(1)
@@ -459,7 +464,7 @@ def _fused_directly(params: list[torch.Tensor], lr: float | torch.Tensor) -> boo
 
 def _fused_adam(hp: _Hyper, lists: tuple, steps: list, lr: float | torch.Tensor, wd: float):
     """torch's fused Adam(W) on one group (see [Note: the fused kernel called directly])."""
-    o = dict(hp.options)
+    o = hp.kernel
     kernel = torch._fused_adamw_ if o["decoupled_weight_decay"] else torch._fused_adam_
     torch._foreach_add_(steps, 1)
     kernel(
@@ -475,7 +480,7 @@ def _sgd_init(has_momentum: bool, params: PyTree) -> SgdState:
 @without_grad
 def _sgd_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
     _check_state(hp.name, state, SgdState)
-    has_momentum = dict(hp.options)["momentum"] != 0
+    has_momentum = hp.kernel["momentum"] != 0
     if (state.momentum is not None) != has_momentum:
         raise TypeError(
             "sgd: the state's momentum buffers do not match this optimizer's momentum; pass the "
@@ -485,19 +490,19 @@ def _sgd_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
     pairs, fields = _pair(hp.name, grads, params, trees)
     count = _count_of(hp.name, state)
     lr = _lr_at(hp, count)
-    fresh = has_momentum and dict(hp.options)["dampening"] != 0 and _first(hp, count)
+    fresh = has_momentum and hp.kernel["dampening"] != 0 and _first(hp, count)
     bufs = [None] * len(pairs.params)
     if has_momentum:
         bufs = _writable(fields["momentum"], pairs.active, inplace or fresh)
     targets = _writable(pairs.params, pairs.active, inplace)
-    opts = dict(hp.options)
+    opts = hp.kernel
     for weight_decay, idx in _groups(hp, pairs):
         # the foreach Nesterov kernel adds into the gradients when there is no weight decay
         copy = not inplace and opts["nesterov"] and weight_decay == 0
         given = [None if fresh or b is None else local(b) for b in (bufs[i] for i in idx)]
-        ps = locals_of(targets, idx)
+        (ps,) = locals_of(idx, targets)
         if isinstance(count, torch.Tensor):  # see [Note: the optimizer in a compiled step]
-            gs = locals_of(pairs.grads, idx)
+            (gs,) = locals_of(idx, pairs.grads)
             kw = dict(lr=lr, weight_decay=weight_decay, foreach=hp.foreach, options=opts)
             opaque.sgd(ps, gs, [b for b in given if b is not None], **kw)
             continue
@@ -587,13 +592,13 @@ def _on_device(hp: _Hyper, device: torch.device) -> bool:
     CPU the same path runs with CPU counts (a number is read from them: torch has no capturable
     CPU kernel), which lets CPU tests check it against the host path.
     """
-    return hp.capturable or (bool(dict(hp.options).get("fused")) and device.type != "cpu")
+    return hp.capturable or (bool(hp.kernel.get("fused")) and device.type != "cpu")
 
 
 def _capturable_kernel(hp: _Hyper, device: torch.device) -> bool:
     """torch's ``capturable=`` for the kernel: its device-count arithmetic where torch has it
     (not for the fused kernel, which reads device counts anyway, nor on CPU)."""
-    fused = bool(dict(hp.options).get("fused"))
+    fused = bool(hp.kernel.get("fused"))
     return hp.capturable and not fused and device.type in _get_capturable_supported_devices()
 
 
@@ -652,7 +657,7 @@ def _device_lr(hp: _Hyper, count: torch.Tensor, device: torch.device) -> float |
             return value
     if device.type != "cpu":
         return value.to(device=device, dtype=_get_scalar_dtype())
-    if dict(hp.options).get("fused"):
+    if hp.kernel.get("fused"):
         return value  # torch's fused CPU kernel reads it itself
     return _checked_lr(hp, "this step", float(value))
 

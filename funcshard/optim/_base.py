@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -88,16 +88,19 @@ def local(x: torch.Tensor) -> torch.Tensor:
     return x.to_local() if compiling() else _local_shard(x)
 
 
-def locals_of(xs: list, idx: list[int]) -> list[torch.Tensor]:
-    """:func:`local` of ``xs[i]`` for each ``i`` in ``idx`` (ascending), with the mode asked
-    once per list."""
+def locals_of(idx: Sequence[int], *lists: list) -> tuple[list[torch.Tensor], ...]:
+    """Per list of ``lists``, :func:`local` of ``xs[i]`` for each ``i`` in ``idx`` (ascending),
+    with the mode asked once."""
     if compiling():
-        return [local(xs[i]) for i in idx]
-    picked = xs if len(idx) == len(xs) else [xs[i] for i in idx]
+        return tuple([local(xs[i]) for i in idx] for xs in lists)
+    return tuple(_locals(xs if len(idx) == len(xs) else [xs[i] for i in idx]) for xs in lists)
+
+
+def _locals(xs: list) -> list[torch.Tensor]:
     try:
-        return list(map(_LOCAL, picked))  # DTensors: the common case, one call
+        return list(map(_LOCAL, xs))  # DTensors: the common case, one call
     except AttributeError:
-        return [x._local_tensor if isinstance(x, DTensor) else x for x in picked]
+        return [x._local_tensor if isinstance(x, DTensor) else x for x in xs]
 
 
 _LOCAL = operator.attrgetter("_local_tensor")

@@ -70,7 +70,7 @@ def global_norm(tree: PyTree) -> torch.Tensor:
         before_collective("global_norm's all-reduce")
     if not leaves:
         return torch.zeros(())
-    locals_ = locals_of(leaves, range(len(leaves)))
+    (locals_,) = locals_of(range(len(leaves)), leaves)
     norms = torch._foreach_norm(locals_, 2, dtype=torch.float32)
     weights = _weights(leaves, paths) if sharded else None
     if weights is None:
@@ -160,7 +160,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         flat = Flat.of(grads)
         gs = flat.leaves
         todo = [i for i, g in enumerate(gs) if g is not None]
-        tensors = locals_of(gs, todo)
+        (tensors,) = locals_of(todo, gs)
         if inplace:
             torch._foreach_mul_(tensors, coef)
             return grads, ClipState(norm)
