@@ -33,7 +33,6 @@ from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.optim.adam import adam as torch_adam
 from torch.optim.optimizer import _get_capturable_supported_devices, _get_scalar_dtype
 from torch.optim.sgd import sgd as torch_sgd
 
@@ -423,54 +422,15 @@ def _adam_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
             kw = dict(lr=lr, weight_decay=weight_decay, foreach=hp.foreach, options=hp.options)
             opaque.adam(*lists, leaf_steps, **kw)
             continue
-        if hp.kernel["fused"]:  # see [Note: fused kernels read dense gradients]
-            lists = (lists[0], opaque.dense(lists[1]), *lists[2:])
-            if _fused_directly(lists[0], lr):
-                _fused_adam(hp, lists, leaf_steps, lr, weight_decay)
-                continue
-        torch_adam(
-            *lists, [], leaf_steps, foreach=hp.foreach, lr=lr, weight_decay=weight_decay,
-            **hp.kernel, **device_kw,
+        opaque.run_adam(
+            *lists, leaf_steps, lr=lr, weight_decay=weight_decay, foreach=hp.foreach, **hp.kernel,
+            **device_kw,
         )  # fmt: skip
     if inplace:
         state.count.add_(1)
         return _no_updates(pairs), state
     trees = (pairs.rebuild(t) for t in (mu, nu, steps))
     return _differences(pairs, targets), AdamState(state.count + 1, *trees)
-
-
-def _fused_directly(params: list[torch.Tensor], lr: float | torch.Tensor) -> bool:
-    """Whether torch's fused Adam kernel can take ``params`` (local tensors) as one list.
-
-    [Note: the fused kernel called directly]
-    ``torch.optim.adam.adam(fused=True)`` sorts its lists by device and dtype in C++
-    (``_group_tensors_by_device_and_dtype``, a visit of every tensor of the five lists: after
-    the kernel and the steps' increment, the largest piece of a host-bound AdamW step; see
-    BENCHMARKS.md), increments the steps and calls ``torch._fused_adam(w)_`` once per group.
-    When every parameter has one device and one dtype -- the moments and gradients have their
-    parameter's, checked by ``_pair``; the steps are the state's own -- there is one group, and
-    :func:`_fused_adam` makes those two calls itself: the same kernel on the same lists with
-    the same arguments, so the same bits (``tests/test_optim.py`` compares with
-    ``torch.optim.AdamW(fused=True)`` over many steps). Anything else (several dtypes, an lr
-    tensor on another device) goes through torch's function.
-    """
-    if not params:
-        return False
-    devices = set(map(_DEVICE, params))
-    if len(devices) != 1 or len(set(map(_DTYPE, params))) != 1:
-        return False
-    return not isinstance(lr, torch.Tensor) or lr.device in devices
-
-
-def _fused_adam(hp: _Hyper, lists: tuple, steps: list, lr: float | torch.Tensor, wd: float):
-    """torch's fused Adam(W) on one group (see [Note: the fused kernel called directly])."""
-    o = hp.kernel
-    kernel = torch._fused_adamw_ if o["decoupled_weight_decay"] else torch._fused_adam_
-    torch._foreach_add_(steps, 1)
-    kernel(
-        *lists, [], steps, amsgrad=o["amsgrad"], lr=lr, beta1=o["beta1"], beta2=o["beta2"],
-        weight_decay=wd, eps=o["eps"], maximize=o["maximize"], grad_scale=None, found_inf=None,
-    )  # fmt: skip
 
 
 def _sgd_init(has_momentum: bool, params: PyTree) -> SgdState:

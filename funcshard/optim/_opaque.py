@@ -1,4 +1,5 @@
-"""Adam and SGD in a compiled step: torch's kernel as one operation of the graph.
+"""torch's Adam and SGD kernels on a step's local tensors (:func:`run_adam`), and, in a compiled
+step, as one operation of the graph.
 
 [Note: the optimizer in a compiled step]
 Traced into the graph (see [Note: funcshard under torch.compile] in ``_compile``), torch's Adam
@@ -28,6 +29,7 @@ the fused kernels take it as it is, the others as a number (read once per step).
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -66,6 +68,61 @@ def dense(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     return [g if g.is_contiguous() else g.contiguous() for g in grads]
 
 
+def run_adam(
+    params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], *, lr: float | torch.Tensor,
+    weight_decay: float, foreach: bool | None, fused: bool | None, capturable: bool = False,
+    **options: Any,
+) -> None:  # fmt: skip
+    """torch's Adam kernel on these local tensors, in place; ``options``: its other keyword
+    arguments (``beta1``, ``beta2``, ``eps``, ``decoupled_weight_decay``, ``amsgrad``,
+    ``maximize``).
+
+    [Note: the fused kernel called directly]
+    ``torch.optim.adam.adam(fused=True)`` sorts its lists by device and dtype in C++
+    (``_group_tensors_by_device_and_dtype``, a visit of every tensor of the five lists: after
+    the kernel and the steps' increment, the largest piece of a host-bound AdamW step; see
+    BENCHMARKS.md), increments the steps and calls ``torch._fused_adam(w)_`` once per group.
+    When every parameter has one device and one dtype -- the moments and gradients have their
+    parameter's (``fs.optim``'s update checks it); the steps are the state's own -- there is
+    one group, and those two calls are made here: the same kernel on the same lists with the
+    same arguments, so the same bits (``tests/test_optim.py`` compares with
+    ``torch.optim.AdamW(fused=True)`` over many steps). Anything else (several dtypes, an lr
+    tensor on another device) goes through torch's function.
+    """
+    if fused:
+        grads = dense(grads)  # see [Note: fused kernels read dense gradients]
+        if _one_group(params, lr):
+            kernel = (
+                torch._fused_adamw_ if options["decoupled_weight_decay"] else torch._fused_adam_
+            )
+            torch._foreach_add_(steps, 1)
+            kernel(
+                params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=options["amsgrad"],
+                lr=lr, beta1=options["beta1"], beta2=options["beta2"], weight_decay=weight_decay,
+                eps=options["eps"], maximize=options["maximize"], grad_scale=None, found_inf=None,
+            )  # fmt: skip
+            return
+    torch_adam(
+        params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=foreach, fused=fused, lr=lr,
+        weight_decay=weight_decay, capturable=capturable, **options,
+    )  # fmt: skip
+
+
+def _one_group(params: list[torch.Tensor], lr: float | torch.Tensor) -> bool:
+    """Whether torch's fused kernel takes ``params`` as one list (see [Note: the fused kernel
+    called directly])."""
+    if not params:
+        return False
+    devices = set(map(_DEVICE, params))
+    if len(devices) != 1 or len(set(map(_DTYPE, params))) != 1:
+        return False
+    return not isinstance(lr, torch.Tensor) or lr.device in devices
+
+
+_DTYPE, _DEVICE = operator.attrgetter("dtype"), operator.attrgetter("device")
+
+
 def _lr(lr: float, lr_tensor: torch.Tensor | None, fused: bool | None):
     if lr_tensor is None:
         return lr
@@ -82,11 +139,10 @@ def _adam(
     params, grads, exp_avgs, exp_avg_sqs, steps, lr, lr_tensor, weight_decay, beta1, beta2, eps,
     decoupled_weight_decay, maximize, foreach, fused,
 ) -> None:  # fmt: skip
-    torch_adam(
-        params, dense(grads) if fused else grads, exp_avgs, exp_avg_sqs, [], steps,
-        foreach=foreach, fused=fused, lr=_lr(lr, lr_tensor, fused), weight_decay=weight_decay,
-        beta1=beta1, beta2=beta2, eps=eps, decoupled_weight_decay=decoupled_weight_decay,
-        amsgrad=False, maximize=maximize,
+    run_adam(
+        params, grads, exp_avgs, exp_avg_sqs, steps, foreach=foreach, fused=fused,
+        lr=_lr(lr, lr_tensor, fused), weight_decay=weight_decay, beta1=beta1, beta2=beta2, eps=eps,
+        decoupled_weight_decay=decoupled_weight_decay, amsgrad=False, maximize=maximize,
     )  # fmt: skip
 
 
