@@ -213,7 +213,7 @@ _LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLau
 def _calls(trainer: Trainer, batches, device: torch.device) -> dict[str, float]:
     """Aten calls and kernel launches per step (the profiler's events over ``batches``). A
     launch is any of ``_LAUNCHES`` (a graph's replay is one); on CPU, ``launches`` counts the
-    aten calls that call no other aten op (each would be a kernel of its own on a GPU)."""
+    aten calls that would each launch a kernel on a GPU (``harness.launches_on_cpu``)."""
     harness.sync(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
@@ -225,9 +225,7 @@ def _calls(trainer: Trainer, batches, device: torch.device) -> dict[str, float]:
     if device.type == "cuda":
         launches = sum(1 for e in events if e.name in _LAUNCHES)
     else:
-        launches = sum(
-            1 for e in aten if not any(c.name.startswith("aten::") for c in e.cpu_children)
-        )
+        launches = harness.launches_on_cpu(aten)
     n = len(batches)
     return {"aten_calls": len(aten) / n, "launches": launches / n}
 

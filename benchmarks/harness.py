@@ -1,5 +1,5 @@
 """What every part shares: alternating timing with medians and paired ratios, the machine's
-description, and JSON results.
+description, JSON results, and the CPU stand-in for a GPU's kernel launches.
 
 [Note: fair timing]
 Variants run in the same processes, one step each in turn (the order rotating every round),
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import platform
@@ -142,3 +143,59 @@ class Context:
     @property
     def world(self) -> int:
         return dist.get_world_size()
+
+
+# allocations and metadata: no kernel on a GPU (their returns alias nothing, so the schema test
+# below does not catch them)
+_NO_KERNEL = frozenset({
+    "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "resize_", "set_",
+    "_unsafe_view", "_has_compatible_shallow_copy_type", "result_type",
+})  # fmt: skip
+
+
+def launches_on_cpu(aten_events) -> int:
+    """The ATen calls among a CPU profile's ``aten_events`` that would each launch a kernel (or a
+    copy) on a GPU, the stand-in for a GPU profile's launches: calls that neither allocate only
+    nor return a view or alias of an input (``view``, ``as_strided``, ``detach``, ``t``,
+    ``split``...), and none of whose nested calls launches (a composite's work is its parts':
+    ``linear`` is its ``mm``, a cast its ``copy_``). A foreach or fused operation counts once,
+    as its single launch does for small lists."""
+    return sum(map(_counts, aten_events))
+
+
+def _counts(event) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if _multi_tensor(parent.name):
+            return False  # a part of a foreach or fused operation: CPU loops, a GPU does not
+        parent = parent.cpu_parent
+    if _multi_tensor(event.name):
+        return True
+    return _launches(event.name) and not any(map(_works, event.cpu_children))
+
+
+def _multi_tensor(event_name: str) -> bool:
+    return event_name.startswith(("aten::_foreach_", "aten::_fused_"))
+
+
+def _works(event) -> bool:
+    """Whether ``event`` or a call nested in it would launch on a GPU."""
+    return _launches(event.name) or any(map(_works, event.cpu_children))
+
+
+@functools.cache
+def _launches(event_name: str) -> bool:
+    """Whether the ATen operation ``aten::name`` itself does work on a GPU (see above)."""
+    if not event_name.startswith("aten::"):
+        return False
+    name = event_name.removeprefix("aten::")
+    if name in _NO_KERNEL:
+        return False
+    packet = getattr(torch.ops.aten, name, None)
+    if packet is None:
+        return True
+    for overload in packet.overloads():
+        returns = getattr(packet, overload)._schema.returns
+        if any(r.alias_info is not None and not r.alias_info.is_write for r in returns):
+            return False  # a view of its input: no data moves
+    return True

@@ -6,7 +6,9 @@ Python and dispatch, as on a GPU that waits for the host. Each framework trains 
 the slope between them is the cost of one block (forward + backward, and an AdamW step), the
 intercept the rest. Plain torch (no sharding) is the floor; FSDP2 (``fully_shard`` per block and
 the root) the peer; funcshard ``fs.schedule`` + ``fs.value_and_grad`` + ``fs.optim.step`` with
-one group per block. Wall time per step and the step thread's CPU time, medians over rounds.
+one group per block. Wall time per step and the step thread's CPU time, medians over rounds;
+per block, the ATen calls and, of those, the ones that would each launch a kernel on a GPU
+(``harness.launches_on_cpu``: not views, aliases or bare allocations).
 
     OMP_NUM_THREADS=1 python -m benchmarks.host           # prints a table, writes host.json
     OMP_NUM_THREADS=1 python -m benchmarks.host --world 8 # 8 ranks over a fake process group
@@ -155,15 +157,19 @@ def funcshard(layers: int, mesh):
 FRAMEWORKS = {"plain torch": plain, "FSDP2": fsdp2, "funcshard": funcshard}
 
 
-def aten_ops(step, tokens) -> collections.Counter:
-    """The ATen operations one call of ``step(tokens)`` dispatches, by name (the profiler's
-    ``aten::`` events, nested ones included): what the host does per step, independent of its
-    speed."""
+def aten_events(step, tokens) -> list:
+    """The profiler's ``aten::`` events of one call of ``step(tokens)``, nested ones included:
+    what the host does per step, independent of its speed."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step(tokens)
-    return collections.Counter(e.name for e in prof.events() if e.name.startswith("aten::"))
+    return [e for e in prof.events() if e.name.startswith("aten::")]
+
+
+def aten_ops(step, tokens) -> collections.Counter:
+    """The ATen operations one call of ``step(tokens)`` dispatches, by name."""
+    return collections.Counter(e.name for e in aten_events(step, tokens))
 
 
 def aten_calls(step, tokens) -> int:
@@ -199,10 +205,14 @@ def measure(mesh, depths=(4, 16), rounds: int = 30, warmup: int = 5) -> dict[str
             "cpu_ms_per_block": (cmed[hi] - cmed[lo]) / (hi - lo),
         }
     for name in FRAMEWORKS:  # the deterministic part: operations the host dispatches
-        ops = {d: aten_ops(steps[(name, d)], tokens) for d in depths}
+        events = {d: aten_events(steps[(name, d)], tokens) for d in depths}
+        ops = {d: collections.Counter(e.name for e in events[d]) for d in depths}  # aten_ops
         calls = {d: ops[d].total() for d in depths}  # aten_calls
         rows[name]["aten_calls_per_step"] = calls
         rows[name]["aten_calls_per_block"] = (calls[hi] - calls[lo]) / (hi - lo)
+        kernels = {d: harness.launches_on_cpu(events[d]) for d in depths}
+        rows[name]["launches_per_step"] = kernels
+        rows[name]["launches_per_block"] = (kernels[hi] - kernels[lo]) / (hi - lo)
         per_block = {op: (ops[hi][op] - ops[lo][op]) / (hi - lo) for op in ops[hi] | ops[lo]}
         rows[name]["aten_ops_per_block"] = {
             op: n for op, n in sorted(per_block.items(), key=lambda kv: -kv[1]) if n
@@ -251,11 +261,11 @@ def main() -> None:
     result["world"] = args.world
     result["machine"] = harness.machine(torch.device("cpu"))
     print(f"{'':14}{'ms/block':>10}{'cpu ms/block':>14}{'x FSDP2':>9}{'x plain':>9}"
-          f"{'aten calls/block':>18}")  # fmt: skip
+          f"{'aten calls/block':>18}{'launches/block':>16}")  # fmt: skip
     for name, row in result["rows"].items():
         print(f"{name:14}{row['ms_per_block']:10.3f}{row['cpu_ms_per_block']:14.3f}"
               f"{row['per_block_vs_fsdp2']:9.2f}{row['per_block_vs_plain']:9.2f}"
-              f"{row['aten_calls_per_block']:18.0f}")  # fmt: skip
+              f"{row['aten_calls_per_block']:18.0f}{row['launches_per_block']:16.0f}")  # fmt: skip
     if args.ops:
         _print_ops(result["rows"], args.ops)
     if not args.quick:

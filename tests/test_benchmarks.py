@@ -286,6 +286,20 @@ def test_host_counts_the_operations_a_step_dispatches():
     assert aten_ops(lambda t: t.to(torch.float64), x) == dict.fromkeys(cast, 1)
 
 
+def test_launches_on_cpu_count_what_a_gpu_would_launch():
+    """The CPU stand-in for kernel launches, against a hand count: an add and a sum launch,
+    their views do not; a cast launches its copy, not its allocation; a composite counts its
+    parts; a foreach operation counts once."""
+    from benchmarks.harness import launches_on_cpu
+    from benchmarks.host import aten_events
+
+    x = torch.ones(4, 2)
+    assert launches_on_cpu(aten_events(lambda t: (t + t).view(-1)[:3].sum(), x)) == 2
+    assert launches_on_cpu(aten_events(lambda t: t.detach().t().to(torch.float64), x)) == 1
+    assert launches_on_cpu(aten_events(lambda t: torch.nn.functional.linear(t, t), x)) == 1
+    assert launches_on_cpu(aten_events(lambda t: torch._foreach_mul([t, t, t], 2.0), x)) == 1
+
+
 def _parallel2d(out):
     from benchmarks import parallel2d
 
