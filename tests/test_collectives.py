@@ -67,3 +67,52 @@ def test_a_capture_registers_no_work_in_flight(world2):
         assert (out, registered, after) == (expected, True, False)
     for out, registered, after in world2.run(gather_in, "CAPTURED"):
         assert (out, registered, after) == (expected, False, False)
+
+
+def test_the_backend_averages_where_it_can():
+    """[Note: the backend averages]: a mean over a group whose backend has ``ReduceOp.AVG``
+    (NCCL; here torch's fake process group, which moves nothing) goes to the reduction
+    undivided, as ``"avg"``, as FSDP2 sends float32 and bfloat16 gradients; float16, a weight,
+    and a divisor beyond the group (``over``) are divided first and summed. And a step over the
+    fake group runs its reduce-scatters so."""
+    import dataclasses
+
+    import funcshard as fs
+    from funcshard._communication import _collectives as C
+    from funcshard._pricing._fake_world import fake_world
+
+    with fake_world(4) as m:
+        comm = C.Comm(group=m.get_group(0), world=4, label="t", reduce_dtype=torch.float32)
+        x = torch.ones(8)
+        y, ours, op = C._reduce_input(x, comm, False)
+        assert op == "avg" and torch.equal(y, x) and not ours  # nothing made, nothing divided
+        for other in (
+            dataclasses.replace(comm, reduce_dtype=torch.float16),
+            dataclasses.replace(comm, over=2),
+        ):
+            y, ours, op = C._reduce_input(x, other, False)
+            n = other.world * other.over
+            assert op == "sum" and ours and torch.equal(y, (x.to(y.dtype) / n)), other
+        assert C._reduce_input(x, dataclasses.replace(comm, weight=0.5), False)[2] == "sum"
+        assert C._reduce_input(x, dataclasses.replace(comm, mean=False), False)[2] == "sum"
+
+        params = fs.shard({"w": torch.ones(8, 2)}, m)
+        vg = fs.value_and_grad(lambda p: fs.unshard(p)["w"].sum())
+        with torch.profiler.profile() as prof:
+            vg(params)
+        names = [e.name for e in prof.events()]
+        assert "_c10d_functional::reduce_scatter_tensor" in names
+        assert "aten::div_" not in names and "aten::div" not in names
+
+
+def test_gloo_sums_divided_gradients(world2):
+    """gloo has no ``ReduceOp.AVG``: the mean is divided first and summed."""
+
+    def reduce_input():
+        from funcshard._communication import _collectives as C
+
+        comm = C.Comm(group=dist.group.WORLD, world=2, label="t", reduce_dtype=torch.float32)
+        y, _, op = C._reduce_input(torch.ones(4), comm, False)
+        return op, y.tolist()
+
+    assert world2.run(reduce_input) == [("sum", [0.5] * 4)] * 2

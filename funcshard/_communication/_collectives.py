@@ -198,11 +198,12 @@ def wait(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _reduce_input(x: torch.Tensor, comm: Comm, donated: bool) -> tuple[torch.Tensor, bool]:
+def _reduce_input(x: torch.Tensor, comm: Comm, donated: bool) -> tuple[torch.Tensor, bool, str]:
     """``x`` in the reduce dtype, pre-divided for ``mean`` or pre-scaled by ``weight`` (in place
     if donated or a fresh copy: a sum of already-averaged terms cannot overflow in low
-    precision; a weight of 0 gives zeros, even for a NaN gradient). Also: whether the result is
-    ours to free."""
+    precision; a weight of 0 gives zeros, even for a NaN gradient), unless the backend averages
+    (see [Note: the backend averages]). Also: whether the result is ours to free, and the
+    reduction to run (``"sum"`` or ``"avg"``)."""
     red = comm.reduce_dtype or x.dtype
     if red != x.dtype:
         cast = x.to(red)
@@ -215,8 +216,30 @@ def _reduce_input(x: torch.Tensor, comm: Comm, donated: bool) -> tuple[torch.Ten
     elif comm.weight is not None:
         x, donated = (x.mul_(comm.weight), True) if donated else (x * comm.weight, True)
     elif comm.mean and n > 1:
+        if _averages(comm, red, x.device.type):
+            return x.contiguous(), donated, "avg"
         x, donated = (x.div_(n), True) if donated else (x / n, True)
-    return x.contiguous(), donated
+    return x.contiguous(), donated, "sum"
+
+
+def _averages(comm: Comm, dtype: torch.dtype, device_type: str) -> bool:
+    """Whether ``comm``'s mean is the backend's own average (``ReduceOp.AVG``).
+
+    [Note: the backend averages]
+    ``grad_reduce="mean"`` divides each reduction by its group's size. NCCL divides as part of
+    the reduction (``ReduceOp.AVG``), as FSDP2 uses it for float32 and bfloat16: no division
+    kernel, and no pass over the gradient before the reduce-scatter. Elsewhere the input is
+    divided first: gloo has no AVG, a float16 sum of undivided terms could overflow, and a
+    divisor that is not the group's size (``over``: expert-parallel dims) is not an average.
+    torch's fake process group (the benchmarks' many ranks on one GPU) takes NCCL's path.
+    """
+    if comm.world == 1 or comm.over != 1 or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    try:  # the backend serving this device type (a group may have one per device type)
+        backend = comm.group._get_backend(torch.device(device_type))
+    except RuntimeError:
+        return False
+    return type(backend).__name__ in ("ProcessGroupNCCL", "FakeProcessGroup")
 
 
 def _free_donated(x: torch.Tensor, comm: Comm) -> None:
@@ -311,7 +334,7 @@ def _all_gather(x: torch.Tensor, comm: Comm) -> torch.Tensor:
 
 
 def _reduce_scatter(x, comm: Comm, out_dtype: torch.dtype, donated: bool) -> torch.Tensor:
-    x, ours = _reduce_input(wait(x), comm, donated)
+    x, ours, op = _reduce_input(wait(x), comm, donated)
     if comm.world == 1:  # see [Note: one rank communicates nothing]
         return cast(x, out_dtype)
     d, w = comm.dim, comm.world
@@ -319,7 +342,7 @@ def _reduce_scatter(x, comm: Comm, out_dtype: torch.dtype, donated: bool) -> tor
         x = x.unflatten(d, (w, x.shape[d] // w)).movedim(d, 0).flatten(0, 1).contiguous()
     _debug.check("reduce_scatter", comm.group, comm.label, x)
     with span("reduce_scatter", comm.label):
-        y = _issued(_ops.reduce_scatter_tensor(x, "sum", w, comm.group.group_name), comm)
+        y = _issued(_ops.reduce_scatter_tensor(x, op, w, comm.group.group_name), comm)
     if d == 0 and comm.way.pending and y.dtype == out_dtype:
         if ours and copies_reduce_scatter_input(comm.group, x.device.type):
             x.untyped_storage().resize_(0)  # see [Note: gloo copies reduce-scatter inputs]
@@ -351,12 +374,12 @@ def copies_reduce_scatter_input(group: dist.ProcessGroup, device_type: str) -> b
 
 def _all_reduce(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     x = wait(x)
-    y, _ = _reduce_input(x, comm, False)
+    y, _, op = _reduce_input(x, comm, False)
     if comm.world == 1:  # see [Note: one rank communicates nothing]
         return cast(y, x.dtype)
     _debug.check("all_reduce", comm.group, comm.label, y)
     with span("all_reduce", comm.label):
-        y = _issued(_ops.all_reduce(y, "sum", comm.group.group_name), comm)
+        y = _issued(_ops.all_reduce(y, op, comm.group.group_name), comm)
     if comm.way.pending and y.dtype == x.dtype and y.numel():
         return y
     return cast(wait(y), x.dtype)
