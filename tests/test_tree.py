@@ -77,3 +77,19 @@ def test_a_dict_of_tensors_takes_the_fast_path_in_optrees_order():
     assert Flat.of(tree).leaves_of({"a": None, "b": None, "d": None}) is None
     assert list(Flat.of(tree).rebuild([1, 2, 3])) == ["b", "a", "c"]  # the dict's own order
     assert dict_leaves({1: _TENSOR, "a": _TENSOR}) is None  # unsortable keys: optree's path
+
+
+@settings(max_examples=200, deadline=None)
+@given(trees, trees)
+def test_nothing_in_is_a_tree_of_nones_shaped_like(tree, like):
+    """``nothing_in``: exactly when optree sees ``tree`` as ``like``'s structure with no leaf
+    but ``None`` -- told only for dicts of tensors (else it says no, and the caller flattens)."""
+    from funcshard._trees._tree import nothing_in
+
+    leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
+    same = spec == optree.tree_structure(like, none_is_leaf=True)
+    if nothing_in(tree, like):
+        assert same and all(x is None for x in leaves)
+    if same and all(x is None for x in leaves) and dict_leaves(like) is not None:
+        assert nothing_in(tree, like)
+    assert nothing_in(Flat.of(like).nones(), like) == (dict_leaves(like) is not None)

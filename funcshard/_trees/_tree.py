@@ -128,6 +128,25 @@ class Flat:
         by_key = dict(zip(self.keys, leaves, strict=True))
         return {k: by_key[k] for k in self.tree}  # the dict's own order, as optree rebuilds it
 
+    def nones(self) -> PyTree:
+        """A tree of this structure with ``None`` at every leaf."""
+        if self.keys is None:
+            return unflatten(self.spec, [None] * len(self.leaves))
+        return dict.fromkeys(self.tree)
+
+
+def nothing_in(tree: PyTree, like: PyTree) -> bool:
+    """Whether ``tree`` is a dict of ``None`` with exactly the keys of ``like``, a dict of
+    tensors: a tree of ``like``'s structure without a leaf to apply, told without flattening
+    either (see [Note: a dict of tensors is flattened without optree])."""
+    return (
+        type(tree) is dict
+        and type(like) is dict
+        and all(v is None for v in tree.values())
+        and tree.keys() == like.keys()
+        and _LEAF_TYPES.issuperset(map(type, like.values()))
+    )
+
 
 def map_with_path(fn: Callable[[str, Any], Any], tree: PyTree) -> PyTree:
     """``fn(path, leaf)`` on every leaf; ``path`` is the readable key path."""

@@ -509,7 +509,7 @@ def _differences(pairs: _Pairs, targets: list) -> PyTree:
 
 
 def _no_updates(pairs: _Pairs) -> PyTree:
-    return pairs.rebuild([None] * len(pairs.params))
+    return pairs.flat.nones()
 
 
 @without_grad

@@ -27,7 +27,7 @@ from .._communication._consensus import recorded
 from .._runtime._compile import compiling, dynamo_tracing, traced
 from .._trees._dtensor import _local as _local_shard
 from .._trees._dtensor import placed_like
-from .._trees._tree import Flat, PyTree, flatten, flatten_like
+from .._trees._tree import Flat, PyTree, flatten, flatten_like, nothing_in
 
 InitFn = Callable[[PyTree], Any]
 UpdateFn = Callable[..., tuple[PyTree, Any]]
@@ -196,6 +196,8 @@ def apply_updates(params: PyTree, updates: PyTree, *, inplace: bool = False) -> 
             parameter's; TypeError: an update for a ``None`` parameter, or a DTensor update for
             a plain parameter (or the reverse).
     """
+    if inplace and nothing_in(updates, params):  # a donated update that applied itself
+        return params
     flat = Flat.of(params)  # see [Note: a dict of tensors is flattened without optree]
     ps, us = flat.leaves, flat.leaves_of(updates)
     if us is None:
