@@ -121,6 +121,18 @@ class Flat:
         leaves, spec = optree.tree_flatten(other, none_is_leaf=True)
         return leaves if spec == self.spec else None
 
+    def paired(self, other: PyTree, *, what: str, like_what: str) -> list[Any]:
+        """``other``'s leaves in this tree's order.
+
+        Raises:
+            ValueError: the structures differ, naming the keys (``other`` is ``what``, this
+                tree ``like_what``).
+        """
+        leaves = self.leaves_of(other)
+        if leaves is None:  # raises, naming the keys
+            return flatten_like(other, self.tree, what=what, like_what=like_what, none_is_leaf=True)
+        return leaves
+
     def rebuild(self, leaves: Sequence[Any]) -> PyTree:
         """A tree of this structure with ``leaves`` (in this tree's order)."""
         if self.keys is None:

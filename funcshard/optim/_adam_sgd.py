@@ -44,7 +44,6 @@ from ._base import (
     EmptyState,
     GradientTransformation,
     check_like,
-    leaves_like,
     local,
     locals_of,
     without_grad,
@@ -297,8 +296,11 @@ def _pair(fn: str, grads, params, state: dict | None = None) -> tuple[_Pairs, di
         )
     pairs = _Pairs(Flat.of(params), [], [])  # see [Note: a dict of tensors is flattened ...]
     ps = pairs.params
-    pairs.grads = leaves_of(grads, pairs, "grads", "params")
-    fields = {k: leaves_of(v, pairs, f"{fn} state.{k}", "params") for k, v in (state or {}).items()}
+    pairs.grads = pairs.flat.paired(grads, what="grads", like_what="params")
+    fields = {
+        k: pairs.flat.paired(v, what=f"{fn} state.{k}", like_what="params")
+        for k, v in (state or {}).items()
+    }
     columns = list(fields.values())
     specs = _specs(ps)  # see [Note: the common step checked in one pass]
     if specs is not None and all(_specs(c) == specs for c in (pairs.grads, *columns)):
@@ -345,18 +347,6 @@ def _specs(leaves: list) -> list | None:
         return list(map(_SPEC, leaves))
     except AttributeError:  # not a DTensor
         return None
-
-
-def leaves_of(tree: PyTree, pairs: _Pairs, what: str, like_what: str) -> list[Any]:
-    """Leaves of ``tree`` (``None`` entries kept) in the order of ``pairs``' parameters.
-
-    Raises:
-        ValueError: the structures differ, naming the keys.
-    """
-    leaves = pairs.flat.leaves_of(tree)
-    if leaves is not None:
-        return leaves
-    return leaves_like(tree, pairs.tree, what, like_what)  # raises, naming the keys
 
 
 def _groups(hp: _Hyper, pairs: _Pairs) -> list[tuple[float, list[int]]]:
@@ -667,7 +657,7 @@ def _first(hp: _Hyper, count) -> bool:
 
 def _leaf_steps(name: str, state: AdamState, pairs: _Pairs) -> list:
     """The state's per-leaf step counts in ``pairs``' order, checked to be 0-dim tensors."""
-    steps = leaves_of(state.steps, pairs, f"{name} state.steps", "params")
+    steps = pairs.flat.paired(state.steps, what=f"{name} state.steps", like_what="params")
     active = pairs.of_active(steps)
     if (
         _TENSORS.issuperset(map(type, active))

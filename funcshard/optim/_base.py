@@ -27,7 +27,7 @@ from .._communication._consensus import recorded
 from .._runtime._compile import compiling, dynamo_tracing, traced
 from .._trees._dtensor import _local as _local_shard
 from .._trees._dtensor import placed_like
-from .._trees._tree import Flat, PyTree, flatten, flatten_like, nothing_in
+from .._trees._tree import Flat, PyTree, flatten, nothing_in
 
 InitFn = Callable[[PyTree], Any]
 UpdateFn = Callable[..., tuple[PyTree, Any]]
@@ -119,7 +119,7 @@ def wrap(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def leaves_like(tree: PyTree, like: PyTree, what: str, like_what: str) -> list[Any]:
     """Leaves of ``tree`` in ``like``'s order, ``None`` entries kept as leaves (a frozen
     parameter's missing gradient pairs with its tensor). Raises ``ValueError`` naming the keys."""
-    return flatten_like(tree, like, what=what, like_what=like_what, none_is_leaf=True)
+    return Flat.of(like).paired(tree, what=what, like_what=like_what)
 
 
 def check_like(
@@ -199,9 +199,7 @@ def apply_updates(params: PyTree, updates: PyTree, *, inplace: bool = False) -> 
     if inplace and nothing_in(updates, params):  # a donated update that applied itself
         return params
     flat = Flat.of(params)  # see [Note: a dict of tensors is flattened without optree]
-    ps, us = flat.leaves, flat.leaves_of(updates)
-    if us is None:
-        leaves_like(updates, params, "updates", "params")  # raises, naming the keys
+    ps, us = flat.leaves, flat.paired(updates, what="updates", like_what="params")
     todo = [i for i, u in enumerate(us) if u is not None]
     odd = [i for i in todo if type(us[i]) is not DTensor or us[i]._spec is not _spec(ps[i])]
     paths = flatten(params, none_is_leaf=True)[0] if odd else []  # for the errors only
@@ -315,9 +313,7 @@ def _check_not_applied(before: PyTree, after: PyTree, i: int, n: int) -> None:
     if after is before:  # scaled in place (a clip): nothing was applied
         return
     flat = Flat.of(before)
-    b, a = flat.leaves, flat.leaves_of(after)
-    if a is None:
-        a = leaves_like(after, before, "updates", "grads")  # raises, naming the keys
+    b, a = flat.leaves, flat.paired(after, what="updates", like_what="grads")
     gone = [x is not None and y is None for x, y in zip(b, a, strict=True)]
     if any(gone):
         path = flatten(before, none_is_leaf=True)[0][gone.index(True)]
