@@ -11,8 +11,9 @@ world size 1 (NCCL; ``--device cpu``: gloo). Variants:
 - ``FSDP2`` (``MixedPrecisionPolicy(bf16, reduce fp32)``) and ``FSDP2 + compile per block``;
 - ``funcshard``: ``fs.schedule`` + ``fs.value_and_grad`` + ``fs.optim.step``
   (``param_dtype=bf16, reduce_dtype=fp32``); ``funcshard, compiled``: that whole step under
-  ``torch.compile`` (torch >= 2.13); ``funcshard, CUDA graph``: that whole step through
-  ``fs.cuda_graph`` (AdamW's counts on the device).
+  ``torch.compile(fullgraph=True)``; ``funcshard, CUDA graph``: that whole step through
+  ``fs.cuda_graph`` (AdamW's counts on the device); ``funcshard, compiled, CUDA graph``: the
+  compiled step through ``fs.cuda_graph`` (inductor's kernels, replayed as one graph).
 
 ``--fake-world N``: the same on a fake process group of ``N`` ranks (``fake.py``: collectives
 return at once, moving nothing; every other part of one rank's step is real), on the GPU or, with
@@ -147,6 +148,8 @@ def variants(device: torch.device, backend: str) -> dict[str, tuple[Callable, Op
         "funcshard": (VARIANTS["funcshard"], o),
         "funcshard, compiled": (VARIANTS["funcshard + compile"], o),
         "funcshard, CUDA graph": no_graphs or (VARIANTS["funcshard + fs.cuda_graph"], o),
+        "funcshard, compiled, CUDA graph": no_graphs
+        or (VARIANTS["funcshard + compile + fs.cuda_graph"], o),
     }
 
 
@@ -340,7 +343,14 @@ def _time(trainers, rows, batches, device, args) -> dict[str, list[torch.Tensor]
 
 
 # the targets: (variant, baseline, at most); at one rank, and at several (fake) ranks
-TARGETS = (("funcshard", FSDP2, 0.85), ("funcshard, CUDA graph", "plain torch, CUDA graph", 1.02))
+TARGETS = (
+    ("funcshard", FSDP2, 0.85),
+    ("funcshard, CUDA graph", "plain torch, CUDA graph", 1.02),
+    ("funcshard, compiled", PLAIN, 0.9),
+    ("funcshard, compiled, CUDA graph", "plain torch, CUDA graph", 0.9),
+)
+# the first step (compilation) of the compiled step against FSDP2 + compile's, at one rank
+FIRST_CALL_TARGETS = (("funcshard, compiled", "FSDP2 + compile per block", 2.0),)
 TARGETS_RANKS = (("funcshard", FSDP2, 0.85), ("funcshard, CUDA graph", FSDP2, 0.5))
 # the eager step each compiled or captured variant runs: their losses should agree closely
 EAGER = {
@@ -348,6 +358,7 @@ EAGER = {
     "FSDP2 + compile per block": FSDP2,
     "funcshard, compiled": "funcshard",
     "funcshard, CUDA graph": "funcshard",
+    "funcshard, compiled, CUDA graph": "funcshard",
 }
 
 
@@ -373,7 +384,14 @@ def _ratios(
             loss_gap=gap(label, PLAIN),
             loss_gap_eager=gap(label, EAGER[label]) if label in EAGER else None,
         )
-    return [[a, b, at, ratio(a, b)] for a, b, at in targets]
+    firsts = [] if targets is not TARGETS else FIRST_CALL_TARGETS
+    first = lambda a, b: (
+        rows[a]["first_call_s"] / rows[b]["first_call_s"]
+        if all("first_call_s" in rows.get(x, {}) for x in (a, b)) else None
+    )  # fmt: skip
+    return [[a, b, at, ratio(a, b)] for a, b, at in targets] + [
+        [f"{a}, first step", f"{b}, first step", at, first(a, b)] for a, b, at in firsts
+    ]
 
 
 def optimizer_cost(w: Workload, mesh, device: torch.device, args) -> dict[str, float | str]:

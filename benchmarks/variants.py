@@ -226,7 +226,8 @@ def funcshard(
     ``unshard``: the loss runs the model on ``fs.unshard`` of the whole tree instead (no plan);
     ``compiled``: the whole step is ``torch.compile(train_step, fullgraph=True)`` (inductor),
     ``forward_backward`` runs all of it and ``optimizer_step`` nothing; ``graphed``: the same
-    whole step through ``fs.cuda_graph`` (AdamW with its counts on the device)."""
+    whole step through ``fs.cuda_graph`` (AdamW with its counts on the device); both: the
+    compiled step through ``fs.cuda_graph``."""
     model = w.build()
     params, buffers = fs.extract(model)
     sharded = fs.shard(params, mesh)
@@ -264,10 +265,11 @@ def funcshard(
             return loss, params, state
 
         counter = CompileCounterWithBackend(o.compile_backend) if compiled else None
-        if compiled:
-            step = torch.compile(train_step, backend=counter, fullgraph=True)
-        else:
-            step = PoolCounted(fs.cuda_graph(train_step))
+        step = (
+            torch.compile(train_step, backend=counter, fullgraph=True) if compiled else train_step
+        )
+        if graphed:
+            step = PoolCounted(fs.cuda_graph(step))
 
         def whole_step(batch):
             loss, box["params"], box["state"] = step(box["params"], box["state"], batch)
@@ -416,4 +418,7 @@ VARIANTS: dict[str, Variant] = {
     "funcshard.unshard + compile": funcshard_unshard_compiled,
     "funcshard + CUDA graph": cuda_graph(funcshard),
     "funcshard + fs.cuda_graph": functools.partial(funcshard, graphed=True),
+    "funcshard + compile + fs.cuda_graph": functools.partial(
+        funcshard, compiled=True, graphed=True
+    ),
 }

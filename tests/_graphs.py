@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import funcshard as fs
 from funcshard._execution._cuda_graph import CudaGraphed
@@ -28,10 +29,13 @@ def train(
     fused: bool = False,
     capturable: bool = True,
     clip: bool = True,
+    compile_backend: str | None = None,
 ) -> dict:
     """``steps`` training steps of a tiny LM (AdamW with a warm-up schedule, clipping, ``micro``
-    micro-batches per step); eager or graphed. Returns the losses, the final full parameters
-    and optimizer state (on the CPU), and the graphed callable's graph count."""
+    micro-batches per step); eager or graphed; with ``compile_backend``, the step is
+    ``torch.compile``'d (``fullgraph=True``) first. Returns the losses, the final full
+    parameters and optimizer state (on the CPU), the graphed callable's graph count and the
+    frames compiled."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make(batchnorm=False).to(device)
     params, _ = fs.extract(model)
@@ -65,11 +69,14 @@ def train(
         params, state = fs.optim.step(opt, params, grads, state)
         return total / micro, params, state
 
-    step = train_step
+    step, counter = train_step, None
+    if compile_backend is not None:
+        counter = CompileCounterWithBackend(compile_backend)
+        step = torch.compile(train_step, backend=counter, fullgraph=True)
     if graphed:
-        step = CudaGraphed(train_step, warmup=2, max_graphs=4, backend=backend)
+        step = CudaGraphed(step, warmup=2, max_graphs=4, backend=backend)
         if backend is None:
-            step = fs.cuda_graph(train_step)
+            step = fs.cuda_graph(step.step)
     losses = []
     for i in range(steps):
         batch = tokens(rank, batch=4, step=i).to(device)
@@ -83,6 +90,7 @@ def train(
         "params": full,
         "state": states,
         "graphs": getattr(step, "graphs", 0),
+        "frames": counter.frame_count if counter else 0,
     }
 
 

@@ -389,7 +389,7 @@ def test_gpu_part_runs_quick_on_cpu(tmp_path):
     rows = cfg["rows"]
     assert list(rows) == list(gpu.variants(torch.device("cpu"), "aot_eager"))
     skipped = {label for label, row in rows.items() if "skipped" in row}
-    graphs = {"plain torch, CUDA graph", "funcshard, CUDA graph"}
+    graphs = {"plain torch, CUDA graph", "funcshard, CUDA graph", "funcshard, compiled, CUDA graph"}
     assert skipped == graphs
     for label, row in rows.items():
         if label in skipped:
@@ -402,6 +402,15 @@ def test_gpu_part_runs_quick_on_cpu(tmp_path):
         assert row["loss_gap"] < 1e-2, (label, row["loss"], rows["plain torch"]["loss"])
     assert rows["FSDP2"]["loss_gap_eager"] is None  # an eager step has no eager twin
     assert rows["FSDP2 + compile per block"]["loss_gap_eager"] < 1e-3
+    # the targets: every step-time one (CUDA graphs: not measured here), then the first step's
+    assert [t[:3] for t in cfg["targets"]] == [list(t) for t in gpu.TARGETS] + [
+        [f"{a}, first step", f"{b}, first step", at] for a, b, at in gpu.FIRST_CALL_TARGETS
+    ]
+    first = (
+        rows["funcshard, compiled"]["first_call_s"]
+        / rows["FSDP2 + compile per block"]["first_call_s"]
+    )
+    assert cfg["targets"][-1][3] == pytest.approx(first)
     table = gpu.section({"gpu-cpu-tiny": r})
     assert all(f"| {label} |" in table for label in rows)
     assert "| plain torch, CUDA graph | skipped: CUDA graphs need a CUDA device" in table

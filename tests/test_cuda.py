@@ -162,6 +162,27 @@ def test_cuda_graph_equals_eager_bit_for_bit(gpus, name):
             assert diff[key] <= 2 * control[key], (key, diff, control)
 
 
+def graphed_compiled_vs_compiled(kw):
+    from _graphs import same, train
+
+    compiled = train("cuda", False, 20, compile_backend="inductor", **kw)
+    again = train("cuda", False, 20, compile_backend="inductor", **kw)
+    graphed = train("cuda", True, 20, compile_backend="inductor", **kw)
+    return same(compiled, graphed), same(compiled, again), graphed["graphs"], graphed["frames"]
+
+
+def test_a_compiled_step_captured_equals_it_compiled(gpus):
+    """``fs.cuda_graph(torch.compile(step))`` (inductor; bf16, fused AdamW: its counts on the
+    device; 2 micro-batches) over 20 steps: the compiled step's losses, parameters and state,
+    within the compiled step's own run-to-run differences; compiled once, captured once."""
+    kw = GRAPHED["bf16, fused, 2 micro-batches"]
+    for diff, control, graphs, frames in gpus.run(graphed_compiled_vs_compiled, kw):
+        print("graphed - compiled:", diff, "compiled - compiled:", control)
+        assert (graphs, frames) == (1, 1)
+        for key in diff:
+            assert diff[key] <= 2 * control[key], (key, diff, control)
+
+
 def test_cuda_graph_at_8_fake_ranks_agrees_once():
     """8 ranks of a fake process group on the GPU: the step captures and replays, and the
     ranks' agreement through the store ran at the warm-up and capture calls only."""

@@ -52,6 +52,22 @@ def _graphed_vs_eager(micro):
     return same(eager, graphed), graphed["graphs"]
 
 
+def test_a_compiled_step_is_captured_on_the_stand_in(world2):
+    """``fs.cuda_graph(torch.compile(step))``: the compiled step runs compiled under the
+    capture's checks (Dynamo does not skip it for their dispatch mode), and the graphed run
+    gives the compiled step's losses, parameters and state bit for bit; compiled once (the
+    capture compiles nothing more), one graph."""
+    for diff, graphs, frames in world2.run(_graphed_compiled_vs_compiled):
+        assert diff == {"losses": 0.0, "params": 0.0, "state": 0.0}
+        assert (graphs, frames) == (1, 1)
+
+
+def _graphed_compiled_vs_compiled():
+    compiled = train("cpu", False, 6, fused=True, compile_backend="aot_eager")
+    graphed = train("cpu", True, 6, fused=True, compile_backend="aot_eager", backend=_Rerun())
+    return same(compiled, graphed), graphed["graphs"], graphed["frames"]
+
+
 def _counting(calls: list):
     def step(w, x, scale):
         calls.append(1)

@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._runtime import _mode
+from .._runtime._compat import HigherOrderOperator
 from .._trees._dtensor import _local as _dtensor_local
 from .._trees._dtensor import placed_like
 from .._trees._tree import flatten, unflatten
@@ -322,8 +323,27 @@ class _HostReads(TorchDispatchMode):
         self.device = device
         self.found: str | None = None
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """[Note: a compiled step captured]
+        ``fs.cuda_graph(torch.compile(step))`` captures the compiled step. Dynamo skips (runs
+        eagerly) any frame called while a dispatch mode is active -- with ``fullgraph=True`` it
+        raises -- unless the mode ignores compile internals: then the compiled code runs, and
+        only its operations outside inductor's kernels pass through the mode (extern kernels,
+        custom operators as a whole, and, under ``aot_eager``, every ATen call but those inside
+        a higher-order operator, which a mode cannot enter). What the checks then miss, the
+        capture itself still refuses (a synchronisation or a copy to the host fails it, and is
+        reported), and the host values a replay would freeze are the step's arguments on the
+        CPU, refused before the warm-up (``_refuse_host_tensors``).
+        """
+        return True
+
+    supports_higher_order_operators = True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if isinstance(func, HigherOrderOperator):  # see the Note above
+            return func(*args, **kwargs)
         name = func._schema.name
         if name in self._READS:
             self._refuse(

@@ -18,6 +18,11 @@ import torch.distributed as dist
 # private: see tests/test_compile.py::test_private_torch_apis_of_compat
 from torch._guards import TracingContext
 
+# private: a dispatch mode meets the higher-order operators left in a compiled graph (see
+# [Note: a compiled step captured]); tests/test_cuda_graph.py::
+# test_a_compiled_step_is_captured_on_the_stand_in runs them through one
+from torch._ops import HigherOrderOperator  # noqa: F401 (re-exported)
+
 TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 HAS_2_13 = TORCH >= (2, 13)
 
