@@ -47,7 +47,7 @@ TORCH_VENV  := .venv-torch-$(TORCH)
 TORCH_STAMP := $(TORCH_VENV)/.funcshard-installed
 COMPILE_TESTS := tests/test_compile.py tests/test_compile_cache.py tests/test_recompute.py \
 	tests/test_optim.py tests/test_parallel_init_compile.py tests/test_benchmarks.py \
-	tests/test_docs.py
+	tests/test_docs.py tests/test_cuda_graph.py
 
 $(TORCH_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(TORCH_VENV)

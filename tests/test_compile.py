@@ -235,6 +235,47 @@ def test_scheduled_step(world2, kind):
     assert world2.run(scheduled_step, kind) == [(1, 6, True)] * 2
 
 
+def test_device_counts_ask_for_the_capturable_kernel_in_a_compiled_step(monkeypatch):
+    """With the counts on the parameters' device (``capturable=True``) the compiled update runs
+    torch's capturable kernel, with a schedule's lr as a tensor, as the eager step does there:
+    so it reads nothing on the host and a CUDA graph can capture it. torch has no capturable
+    kernel on CPU; here both torch's check and fs.optim's take the CPU as such a device, so
+    the eager and the compiled step run that kernel. Equal to eager over 6 steps (4 weights, a
+    warm-up then decay), compiled once."""
+    import torch.optim.adam as torch_adam
+
+    from funcshard.optim import _adam_sgd, _opaque
+
+    devices = lambda *a, **k: ["cuda", "cpu"]
+    monkeypatch.setattr(torch_adam, "_get_capturable_supported_devices", devices)
+    monkeypatch.setattr(_adam_sgd, "_get_capturable_supported_devices", devices)
+    asked = []
+
+    def spy(*args, **kwargs):
+        asked.append((kwargs["capturable"], type(kwargs["lr"])))
+        return torch_adam.adam(*args, **kwargs)
+
+    monkeypatch.setattr(_opaque, "torch_adam", spy)
+    # foreach: left to torch, a compiled step on CPU takes the fused kernel
+    schedule = fs.optim.warmup_cosine_decay_schedule(0.0, 0.05, 2, 6)
+    opt = fs.optim.adamw(schedule, capturable=True, foreach=True)
+    gen = torch.Generator().manual_seed(0)
+    params = {f"w{i}": torch.randn(5, 3, generator=gen) for i in range(4)}
+    step = lambda p, s, g: fs.optim.step(opt, p, g, s)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    eager = ({k: v.clone() for k, v in params.items()}, opt.init(params))
+    ours = ({k: v.clone() for k, v in params.items()}, opt.init(params))
+    for _ in range(6):
+        grads = {k: torch.randn(5, 3, generator=gen) for k in params}
+        eager = step(*eager, grads)
+        del asked[:]
+        ours = compiled(*ours, grads)
+        assert asked == [(True, torch.Tensor)], asked  # the compiled step's kernel
+        fs.testing.assert_close(ours, eager, atol=1e-6, rtol=1e-6)
+    assert counter.frame_count == 1 and int(ours[1].count) == 6
+
+
 def python_schedule():
     """A schedule that needs a Python number (math.cos of the count) under fullgraph: Dynamo's
     Unsupported, with funcshard's message naming the optimizer in a warning."""

@@ -405,12 +405,16 @@ def _adam_update(hp: _Hyper, grads, state, params=None, *, inplace: bool):
     )
     targets = _writable(pairs.params, pairs.active, inplace)
     traced = not on_device and isinstance(count, torch.Tensor)  # under torch.compile
+    # traced with the counts on the device: the kernel an eager step asks for there
+    capturable = traced and device is not None and _capturable_kernel(hp, device) and all(
+        steps[i].device == device for i in pairs.active
+    )  # fmt: skip
     for weight_decay, idx in _groups(hp, pairs):
         lists = locals_of(idx, targets, pairs.grads, mu, nu)
         leaf_steps = [steps[i] for i in idx]  # incremented by the kernel
         if traced:  # see [Note: the optimizer in a compiled step]
             kw = dict(lr=lr, weight_decay=weight_decay, foreach=hp.foreach, options=hp.options)
-            opaque.adam(*lists, leaf_steps, **kw)
+            opaque.adam(*lists, leaf_steps, capturable=capturable, **kw)
             continue
         opaque.run_adam(
             *lists, leaf_steps, lr=lr, weight_decay=weight_decay, foreach=hp.foreach, **hp.kernel,

@@ -16,9 +16,13 @@ Inductor's decomposition of a mutating operator (``decompose_auto_functionalized
 faster than linearly with the number of tensors it mutates, so the update is issued in chunks
 of ``_CHUNK`` parameters (one kernel call each at run time).
 
-The operators read the per-leaf step counts (CPU tensors) and a schedule's learning rate on the
-host, which a CUDA graph would not replay: they are tagged ``cudagraph_unsafe``, so inductor's
-CUDA graphs (``mode="reduce-overhead"``) leave them out instead of freezing the counts.
+With host counts the operators read the per-leaf step counts (CPU tensors) and a schedule's
+learning rate on the host, which a CUDA graph would not replay: they are tagged
+``cudagraph_unsafe``, so inductor's CUDA graphs (``mode="reduce-overhead"``) leave them out
+instead of freezing the counts. With the counts on the device (``fused=True`` on a GPU,
+``capturable=True``: see [Note: counts on the device] in ``_adam_sgd``) the update reads
+nothing on the host -- the fused kernel reads its steps on the device, and the capturable one
+is asked for as in an eager step -- so ``fs.cuda_graph`` can capture a compiled step.
 
 The kernel is the one the optimizer was made with (``foreach``, ``fused``). Left to torch (both
 ``None``), a compiled step on CPU uses torch's fused kernel -- one pass over each tensor, as the
@@ -40,7 +44,7 @@ _ADAM = (
     "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
     "Tensor(d!)[] steps, float lr, Tensor? lr_tensor, float weight_decay, float beta1, "
     "float beta2, float eps, bool decoupled_weight_decay, bool maximize, bool? foreach, "
-    "bool? fused) -> ()"
+    "bool? fused, bool capturable) -> ()"
 )
 _SGD = (
     "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, float lr, "
@@ -123,10 +127,12 @@ def _one_group(params: list[torch.Tensor], lr: float | torch.Tensor) -> bool:
 _DTYPE, _DEVICE = operator.attrgetter("dtype"), operator.attrgetter("device")
 
 
-def _lr(lr: float, lr_tensor: torch.Tensor | None, fused: bool | None):
+def _lr(lr: float, lr_tensor: torch.Tensor | None, as_tensor: bool | None):
+    """The learning rate for the kernel: the tensor itself where it reads one (fused,
+    capturable), else a number."""
     if lr_tensor is None:
         return lr
-    return lr_tensor if fused else float(lr_tensor)
+    return lr_tensor if as_tensor else float(lr_tensor)
 
 
 @torch.library.custom_op(
@@ -137,12 +143,13 @@ def _lr(lr: float, lr_tensor: torch.Tensor | None, fused: bool | None):
 )
 def _adam(
     params, grads, exp_avgs, exp_avg_sqs, steps, lr, lr_tensor, weight_decay, beta1, beta2, eps,
-    decoupled_weight_decay, maximize, foreach, fused,
+    decoupled_weight_decay, maximize, foreach, fused, capturable,
 ) -> None:  # fmt: skip
     run_adam(
         params, grads, exp_avgs, exp_avg_sqs, steps, foreach=foreach, fused=fused,
-        lr=_lr(lr, lr_tensor, fused), weight_decay=weight_decay, beta1=beta1, beta2=beta2, eps=eps,
-        decoupled_weight_decay=decoupled_weight_decay, amsgrad=False, maximize=maximize,
+        lr=_lr(lr, lr_tensor, fused or capturable), weight_decay=weight_decay, beta1=beta1,
+        beta2=beta2, eps=eps, decoupled_weight_decay=decoupled_weight_decay, amsgrad=False,
+        maximize=maximize, capturable=capturable,
     )  # fmt: skip
 
 
@@ -189,16 +196,20 @@ def _split_lr(lr: float | torch.Tensor) -> tuple[float, torch.Tensor | None]:
     return (0.0, lr) if isinstance(lr, torch.Tensor) else (float(lr), None)
 
 
-def adam(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, weight_decay, foreach, options):
+def adam(
+    params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, weight_decay, foreach, options,
+    capturable=False,
+):  # fmt: skip
     """torch's Adam kernel on these lists, as one operation of the compiled graph; ``options``:
-    the kernel's other keyword arguments (``fs.optim.adam``'s)."""
+    the kernel's other keyword arguments (``fs.optim.adam``'s); ``capturable``: torch's
+    capturable kernel (the steps on the parameters' device, read there)."""
     opts: dict[str, Any] = dict(options)
     foreach, fused = _kernel(params, foreach, opts["fused"])
     for c in _chunks(len(params)):
         torch.ops.funcshard.adam_(
             params[c], grads[c], exp_avgs[c], exp_avg_sqs[c], steps[c], *_split_lr(lr),
             weight_decay, opts["beta1"], opts["beta2"], opts["eps"],
-            opts["decoupled_weight_decay"], opts["maximize"], foreach, fused,
+            opts["decoupled_weight_decay"], opts["maximize"], foreach, fused, capturable,
         )  # fmt: skip
 
 
