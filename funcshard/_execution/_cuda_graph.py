@@ -423,7 +423,9 @@ def cuda_graph(step: Callable, *, warmup: int = 2, max_graphs: int = 8) -> CudaG
         step: a function of tensors, trees of them and Python values, whose device work does
             not depend on tensor values (no ``.item()``, no ``if`` on a tensor); every tensor on
             the GPU. Optimizers of ``fs.optim`` need their counts on the device:
-            ``adam``/``adamw(..., capturable=True)`` or ``fused=True``.
+            ``adam``/``adamw(..., capturable=True)`` or ``fused=True``. It may be a
+            ``torch.compile``'d step: the compiled code is captured (see [Note: a compiled
+            step captured]).
         warmup: eager calls of each layout before its capture (>= 1).
         max_graphs: layouts captured at most (all share one memory pool); a call with another
             layout after that raises.
