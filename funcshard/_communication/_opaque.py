@@ -149,7 +149,8 @@ class CopyOut(torch.autograd.Function):
         flat = gathered.new_empty(sum(math.prod(f) for f in fulls))
         torch.ops.funcshard.copy_out(flat, gathered, *copies.args())
         pieces = flat.split([math.prod(f) for f in fulls])
-        return tuple(p.view(f) for p, f in zip(pieces, fulls, strict=True))
+        # a 1-D piece has its shape already: a view operation less to trace (a bias, a norm)
+        return tuple(p if len(f) == 1 else p.view(f) for p, f in zip(pieces, fulls, strict=True))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
