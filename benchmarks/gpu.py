@@ -271,7 +271,10 @@ def measure(
             gc.collect()
         print(f"[gpu] {name} {label}: {_short(rows[label])}", flush=True)
     losses = _time(trainers, rows, batches[PROLOGUE:], device, args)
-    targets = _ratios(rows, losses, TARGETS_RANKS if args.fake_world else TARGETS)
+    if args.fake_world:
+        targets = _ratios(rows, losses, TARGETS_RANKS, firsts=())
+    else:
+        targets = _ratios(rows, losses, TARGETS, FIRST_CALL_TARGETS)
     tokens, params = c.batch * c.seq, parameters(c)
     flop = 6 * params * tokens  # per step: forward + backward of every parameter, no attention
     after = batches[PROLOGUE + args.warmup + args.rounds :]
@@ -363,11 +366,15 @@ EAGER = {
 
 
 def _ratios(
-    rows: dict[str, dict[str, Any]], losses: dict[str, list[torch.Tensor]], targets=TARGETS
+    rows: dict[str, dict[str, Any]],
+    losses: dict[str, list[torch.Tensor]],
+    targets=TARGETS,
+    firsts=FIRST_CALL_TARGETS,
 ) -> list:
     """Medians into ``rows``, with the per-round ratios to FSDP2 and to plain torch, the last
     loss and its relative gaps to plain torch's and to its own eager step's (``EAGER``); the
-    targets' ratios (``None``: not measured)."""
+    targets' ratios, then the ratios of the first steps of ``firsts`` (``None``: not
+    measured)."""
     timed = {label: row.pop("wall") for label, row in rows.items() if "wall" in row}
     host = {label: rows[label].pop("host") for label in timed}
     ratio = lambda a, b: harness.summary(timed, b)[a]["ratio"] if {a, b} <= set(timed) else None
@@ -384,7 +391,6 @@ def _ratios(
             loss_gap=gap(label, PLAIN),
             loss_gap_eager=gap(label, EAGER[label]) if label in EAGER else None,
         )
-    firsts = [] if targets is not TARGETS else FIRST_CALL_TARGETS
     first = lambda a, b: (
         rows[a]["first_call_s"] / rows[b]["first_call_s"]
         if all("first_call_s" in rows.get(x, {}) for x in (a, b)) else None

@@ -74,9 +74,11 @@ def train(
         counter = CompileCounterWithBackend(compile_backend)
         step = torch.compile(train_step, backend=counter, fullgraph=True)
     if graphed:
-        step = CudaGraphed(step, warmup=2, max_graphs=4, backend=backend)
-        if backend is None:
-            step = fs.cuda_graph(step.step)
+        step = (
+            fs.cuda_graph(step)
+            if backend is None
+            else CudaGraphed(step, warmup=2, max_graphs=4, backend=backend)
+        )
     losses = []
     for i in range(steps):
         batch = tokens(rank, batch=4, step=i).to(device)
