@@ -71,6 +71,7 @@ def named_errors():
         ValueError,
         "'1' (BatchNorm1d) is training with its running statistics in bfloat16",
     )
+
     # a value without autograd history: raised, naming the likely cause
     def no_grad_loss(p, x):
         with torch.no_grad():
@@ -84,6 +85,7 @@ def named_errors():
         ValueError,
         "without autograd history",
     )
+
     # a value that uses some of the parameters: zeros for the others (docs/value_and_grad.md)
     def bias_only(p, x):
         return (fs.unshard(p)["0.bias"] * x[:, :8]).mean()
