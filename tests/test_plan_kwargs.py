@@ -10,12 +10,12 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from test_real_models import batch, block_types, build
 from test_record_real import POLICY, _setup, _x
 from torch import nn
 
 import funcshard as fs
 
+from _hf import batch, block_types, build
 from _mesh import mesh
 
 
