@@ -78,7 +78,7 @@ from .._runtime._compat import all_gather_single, storage_key
 from .._runtime._compile import issued, waited, waits_for
 from .._runtime._mode import Mode, refuse_jacfwd, transformed
 from .._runtime._profiling import span
-from . import _debug, _liveness, _opaque
+from . import _debug, _hangs, _opaque
 
 _ops = torch.ops._c10d_functional
 
@@ -190,7 +190,7 @@ def wait(t: torch.Tensor) -> torch.Tensor:
     try:
         _ops.wait_tensor(t.detach())
     except RuntimeError as e:  # a peer died, or is not at this collective: say which
-        _liveness.explain(e, "a collective")
+        _hangs.explain(e, "a collective")
         raise
     donated = _DONATED.pop(ptr, None)
     if donated is not None:
@@ -420,7 +420,7 @@ class Started:
             try:
                 self.work.wait()
             except RuntimeError as e:  # a peer died, or is not at this collective: say which
-                _liveness.explain(e, "an all_gather")
+                _hangs.explain(e, "an all_gather")
                 raise
             finally:  # waited (or failed): nothing left in flight at exit
                 _UNFINISHED.pop(id(self.work), None)

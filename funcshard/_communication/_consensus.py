@@ -180,11 +180,10 @@ def _failure(fn: str, rank: int, status: bytes) -> Exception:
             "call: the ranks' forwards took different paths (FUNCSHARD_DEBUG found it; see "
             "docs/failures.md, control flow that differs between ranks)."
         )
-    if status[:1] == _GONE:
+    if status[:1] == _GONE:  # the clause names the rank; see [Note: how a rank ended]
         return RuntimeError(
-            f"{fn}: rank {rank} is gone ({status[1:].decode()}): it died before taking part in "
-            "this call's check, so no collective was issued. Restart the job (from the last "
-            "checkpoint)."
+            f"{fn}: {status[1:].decode()}. No rank issued a collective of this call. Restart "
+            "the job (from the last checkpoint) once that is mended."
         )
     kind, message = pickle.loads(status[1:])
     cls = getattr(builtins, kind, None)

@@ -85,7 +85,7 @@ def _exchange_collective(group: dist.ProcessGroup, description: str) -> list[str
         if v[:1] == _store.COLLECTIVE:
             out.append(v[1:].decode(errors="replace"))
         elif v[:1] == _store.GONE:
-            out.append(f"gone ({v[1:].decode(errors='replace')})")
+            out.append(v[1:].decode(errors="replace"))  # "rank r is gone (...)", "... failed first"
         else:
             out.append("at the per-call check of a funcshard call, not at a collective")
     return out
