@@ -158,9 +158,10 @@ def grad(
 # ``schedule`` call, whose status says whether the call computes gradients (``_counts.agree``),
 # before any collective. A value detached on some ranks only, after a forward with gradients,
 # raises there, while the others wait in their backward's collectives until that rank exits
-# and is named (``_liveness``). A value computed by a nested ``fs.value_and_grad`` is detached
-# too (a value, not a graph): that gets its own message. ``_NESTED`` holds the outer calls (by
-# the id of their entry on ``_spec.DIRECT``) inside which an inner one ran.
+# and its error is quoted (``_liveness``), or, if it catches it, until the wait's limit. A
+# value computed by a nested ``fs.value_and_grad`` is detached too (a value, not a graph): that
+# gets its own message. ``_NESTED`` holds the outer calls (by the id of their entry on
+# ``_spec.DIRECT``) inside which an inner one ran.
 _NESTED: set[int] = set()
 
 
