@@ -34,8 +34,8 @@ VOCAB, LENGTH, BATCH = 96, 8, 2  # per-rank batch: BATCH sequences of LENGTH tok
 MASK_ID = VOCAB - 1  # BERT's [MASK] token
 EOS_ID = VOCAB - 1  # CLIP's end of text, where its text tower pools
 CAUSAL = ("gpt2", "llama", "qwen3", "gemma3", "phi3", "mixtral", "qwen3moe", "deepseek", "mamba")
-# contrastive: a sample's loss depends on the other samples of its batch (see [Note: losses
-# over each rank's own batch] in test_real_models)
+# the ResNet (BatchNorm) and CLIP (a contrastive loss): a sample's loss depends on the other
+# samples of its batch (see [Note: losses over each rank's own batch] in test_real_models)
 OWN_BATCH = ("resnet", "clip")
 
 
