@@ -67,7 +67,7 @@ def explanation(s: gpu_8b.Shape, form: str, mesh, hardware: fs.Hardware) -> fs.E
 def summary(e: fs.Explanation, seconds: float) -> dict[str, Any]:
     return {
         "peak_bytes": e.peak_bytes,
-        "peak_at": f"{e.peak_at.step.op} {e.peak_at.step.group or 'the root'}",
+        "peak_at": f"{e.peak_at.step.group or 'the root'}'s {e.peak_at.step.op}",
         "at_peak": e.at_peak,
         "compute_s": e.compute_s,
         "communication_s": e.communication_s,

@@ -114,7 +114,7 @@ def anchor(predicted: dict[str, Any]) -> str:
     keep, tokens = predicted["keep"], predicted["tokens"]
     for form, e in predicted["forms"].items():
         rows.append([
-            f"fs.explain: funcshard, {_recompute(form, keep)} recomputed ({e['hardware']})",
+            f"fs.explain: funcshard, {_recompute(form, keep)} recomputed, {e['hardware']}",
             f"{tokens / e['predicted_step_s']:,.0f} ({e['predicted_step_s']:.2f} s: compute "
             f"{e['compute_s']:.2f} + exposed comm. {e['exposed_communication_s']:.3f})",
             f"{e['peak_bytes'] / GiB:.1f} (at {e['peak_at']})",

@@ -118,5 +118,36 @@ def main(argv: list[str] | None = None) -> Path:
     return path
 
 
+def section(results: dict[str, Any]) -> str:
+    """The generated block of BENCHMARKS.md (``<!-- bench:main_job -->``): the GPU's run."""
+    from .tables import measured, table
+
+    r = results.get("main_job-cuda")
+    if r is None:
+        return "*No result yet: pending a run on the GPU machine (`benchmarks/gpu_check.sh`).*\n"
+    rows = []
+    for mode, row in r["result"].items():
+        if "error" in row:
+            rows.append([mode, f"failed: `{row['error'][:200]}`", "-", "-", "-"])
+            continue
+        diff = row.get("loss_diff")
+        rows.append([
+            mode,
+            f"{row['tokens_per_s']:,.0f}",
+            f"{row['mfu']:.1%}" if row.get("mfu") is not None else "-",
+            f"{row['losses'][0]:.4f} -> {row['losses'][-1]:.4f}",
+            "-" if diff is None else f"{diff:.1e} ({row['loss_rel_diff']:.1e} relative)",
+        ])  # fmt: skip
+    head = [
+        "mode",
+        "tokens/s",
+        "MFU",
+        "loss, first -> last step",
+        "largest loss difference from eager",
+    ]
+    said = f"`examples/train_llama.py {' '.join(r['argv'])}` (one GPU, NCCL), per mode:"
+    return "\n\n".join([said, table(head, rows), measured(r)]) + "\n"
+
+
 if __name__ == "__main__":
     main()
