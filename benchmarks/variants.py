@@ -311,16 +311,19 @@ def funcshard(
         o.lr, weight_decay=o.weight_decay, fused=o.fused, capturable=graphed and not o.fused
     )
     box: dict[str, Any] = {"params": sharded, "state": opt.init(sharded), "grads": None}
+    # the buffers are an argument, not the loss's closure: under torch.compile a closure's
+    # tensors are constants of the graph, which inductor refuses where a scheduled block takes
+    # them as an argument (a Llama's rotary tables)
     if unshard:
 
-        def loss_fn(p, batch):
+        def loss_fn(p, batch, buffers):
             full = fs.unshard(p, param_dtype=o.param_dtype, reduce_dtype=o.reduce_dtype)
             return w.loss(fs.functional_call(model, (full, buffers), batch), batch)
 
     else:
         apply = fs.schedule(model, plan, param_dtype=o.param_dtype, reduce_dtype=o.reduce_dtype)
 
-        def loss_fn(p, batch):
+        def loss_fn(p, batch, buffers):
             return w.loss(apply(p, *batch, buffers=buffers), batch)
 
     leaves = lambda tree: [_local(t) for t in torch.utils._pytree.tree_leaves(tree)]
@@ -332,8 +335,8 @@ def funcshard(
     if compiled or graphed:
         vg = fs.value_and_grad(loss_fn)  # made once, outside the compiled function
 
-        def train_step(params, state, batch):
-            loss, grads = vg(params, batch)
+        def train_step(params, state, batch, buffers):
+            loss, grads = vg(params, batch, buffers)
             params, state = fs.optim.step(opt, params, grads, state)
             return loss, params, state
 
@@ -345,7 +348,7 @@ def funcshard(
             step = PoolCounted(fs.cuda_graph(step))
 
         def whole_step(batch):
-            loss, box["params"], box["state"] = step(box["params"], box["state"], batch)
+            loss, box["params"], box["state"] = step(box["params"], box["state"], batch, buffers)
             return loss.detach()
 
         whole_step.pool_extra = lambda: getattr(step, "pool_extra", 0)  # type: ignore[attr-defined]
@@ -353,7 +356,7 @@ def funcshard(
         return Trainer(whole_step, lambda: None, **trees, plan=plan, counter=counter)
 
     def forward_backward(batch):
-        loss, box["grads"] = fs.value_and_grad(loss_fn)(box["params"], batch)
+        loss, box["grads"] = fs.value_and_grad(loss_fn)(box["params"], batch, buffers)
         return loss
 
     def optimizer_step():
