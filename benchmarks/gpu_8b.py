@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU: about a minute)")
     ap.add_argument("--sets", help=f"comma-separated, of {list(SETS)} (default: all)")
     ap.add_argument("--variants", help="labels separated by ',' (default: all of each set)")
-    ap.add_argument("--rounds", type=int, help="timed steps per variant (default 3; quick 2)")
+    ap.add_argument("--rounds", type=int, default=2, help="timed steps per variant")
     ap.add_argument("--warmup", type=int, default=0, help="untimed alternating steps (after "
                     "each variant's first 2-3 steps)")  # fmt: skip
     ap.add_argument("--peak-tflops", type=float, help="bf16 peak (default: 989 on CUDA)")
@@ -352,7 +352,6 @@ def main(argv: list[str] | None = None) -> Path:
     args.variants = re.split(r",(?! )", args.variants) if args.variants else None
     if args.variants and set(args.variants) - labels:
         ap.error(f"unknown --variants {sorted(set(args.variants) - labels)}; known: {labels}")
-    args.rounds = args.rounds or (2 if args.quick else 3)
     args.backend = args.backend or ("aot_eager" if args.quick else "inductor")
     if args.peak_tflops is None and args.device == "cuda":
         args.peak_tflops = 989.0

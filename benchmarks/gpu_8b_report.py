@@ -127,11 +127,13 @@ def check(c: dict[str, Any]) -> str:
     if "measured_peak_bytes" not in c:
         return ""
     said = [
-        f"funcshard eager, every block recomputed, alone: peak ({c['peak_measured_by']}) "
+        f"funcshard eager, every block recomputed: peak ({c['peak_measured_by']}) "
         f"{c['measured_peak_bytes'] / GiB:.2f} GiB, step {c['measured_step_s']:.2f} s"
     ]
     for rates in ("h100", "measured"):
-        if rates in c:
+        if "error" in c.get(rates, {}):
+            said.append(f"explain with {rates} rates failed: `{c[rates]['error']}`")
+        elif rates in c:
             e = c[rates]
             said.append(
                 f"explain with {e['hardware']} rates: peak {e['peak_bytes'] / GiB:.2f} GiB "
@@ -175,13 +177,13 @@ def summary_rows(results: dict[str, Any]) -> list[list[str]]:
     r8, rc = results.get("gpu8b-cuda"), results.get("gpu8b-check-cuda")
     if r8:
         out += targets(r8["result"])
-    if rc and "h100" in rc["result"]:
+    if rc and "peak_error" in rc["result"].get("h100", {}):
         e = rc["result"]["h100"]
         met = "yes" if abs(e["peak_error"]) <= 0.05 else "**no**"
         out.append(["8B: explain's peak", "within 5% of max_memory_allocated",
                     f"{e['peak_error']:+.1%}", met])  # fmt: skip
         for rates in ("h100", "measured"):
-            if rates in rc["result"]:
+            if "step_error" in rc["result"].get(rates, {}):
                 x = rc["result"][rates]["step_error"]
                 out.append([f"8B: explain's step ({rates} rates)", "within 20%", f"{x:+.0%}",
                             "yes" if abs(x) <= 0.2 else "**no**"])  # fmt: skip
