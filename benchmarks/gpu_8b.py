@@ -81,9 +81,8 @@ class Shape:
     def describe(self) -> str:
         return (
             f"d={self.width}, {self.layers} blocks, {self.heads} heads ({self.kv_heads} for keys "
-            f"and values), "
-            f"SwiGLU {self.hidden}, vocab {self.vocab}, batch {self.batch}x{self.seq} per rank, "
-            f"rank 0 of {self.world}"
+            f"and values), SwiGLU {self.hidden}, vocab {self.vocab}, batch {self.batch}x"
+            f"{self.seq} per rank, rank 0 of {self.world}"
         )
 
 
