@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.distributed.tensor import Shard
@@ -32,6 +33,7 @@ from torch.distributed.tensor import Shard
 from .._runtime._compat import storage_key
 from .._runtime._compile import after_waits
 from .._runtime._mode import Mode
+from .._trees import _subclass
 from .._trees._spec import ShardSpec
 from . import _collectives as C
 from . import _counts, _opaque, _post_forward
@@ -143,6 +145,7 @@ class Bucket:
     out_dtype: torch.dtype
     local: bool
     post: _post_forward.Post | None = None  # see [Note: reshard to a smaller mesh]
+    wire: Any = None  # a packed bucket's ``_packed.Wire``: see [Note: FSDP2's all-gather protocol]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +161,7 @@ class Lowered:
     local: bool  # every bucket is local: nothing is ever pending
     aliases: bool  # some bucket is local: a full tensor may be its shard itself
     shards_only: bool  # every full tensor is its shard itself: nothing to gather or free
+    packed: bool = False  # some bucket is packed (see [Note: one byte buffer per collective])
 
     @property
     def keeps(self) -> bool:
@@ -228,11 +232,18 @@ def _mesh_dims(layout: Layout) -> tuple[list[int], list[int]]:
     return sharded, [i for i in range(len(placements)) if i not in sharded]
 
 
-def _buckets(dtypes: Sequence[torch.dtype], layouts: Sequence[Layout]) -> list[list[int]]:
+def _buckets(
+    dtypes: Sequence[torch.dtype], layouts: Sequence[Layout], speaking: Sequence[bool] = ()
+) -> list[list[int]]:
+    """Leaves of one mesh, placement kinds, dtype and expert size, in order of first leaf; with
+    ``speaking`` (see ``_packed``), every dtype of a mesh and kinds with a protocol leaf in one
+    (see [Note: one byte buffer per collective])."""
     keys: dict[tuple, list[int]] = {}
+    kind = lambda lay: (lay.spec.mesh, tuple(isinstance(p, Shard) for p in lay.spec.placements))
+    packed = {(*kind(lay), lay.over) for lay, s in zip(layouts, speaking, strict=False) if s}
     for i, (dtype, lay) in enumerate(zip(dtypes, layouts, strict=True)):
-        kinds = tuple(isinstance(p, Shard) for p in lay.spec.placements)
-        keys.setdefault((lay.spec.mesh, kinds, dtype, lay.over), []).append(i)
+        key = (*kind(lay), lay.over)
+        keys.setdefault(key if key in packed else (*key, dtype), []).append(i)
     return list(keys.values())
 
 
@@ -460,21 +471,32 @@ def lower(
     opts: Options,
     mode: Mode,
     post_forward: int | None = None,
+    speaking: Sequence[bool] | None = None,
 ) -> Lowered:
     """The gather of leaves of ``dtypes`` (their local shards') and ``layouts``, lowered once
     for ``mode``: buckets, collectives and dtypes depend on the structure alone.
 
     ``post_forward``: the group's ``reshard_after_forward=N`` (``N >= 2``), for which eager
     buckets get their sub-group of ``N`` ranks (see [Note: reshard to a smaller mesh]).
+    ``speaking``: per leaf, whether its shard speaks FSDP2's all-gather protocol
+    (``_subclass.speaking``; ``None``: none does); their buckets are packed (see [Note: one
+    byte buffer per collective]).
 
     Raises:
         ValueError: ``post_forward`` does not divide the size of a bucket's sharded mesh dim.
+        NotImplementedError: a protocol leaf not sharded along dim 0 over one mesh dim, or
+            inside a ``torch.func`` transform.
     """
     if opts.grad_reduce == "weighted":
         _counts.refuse_experts([lay.path for lay in layouts if lay.over > 1])
     flat = tuple(_flat_dtype(opts, d) for d in dtypes)
+    if speaking is not None:
+        from . import _packed
+
+        _packed.check(layouts, speaking, mode)
+        flat = tuple(d if s else f for d, f, s in zip(dtypes, flat, speaking, strict=True))
     buckets = []
-    for idx in _buckets(flat, layouts):
+    for idx in _buckets(flat, layouts, speaking or ()):
         lays = tuple(layouts[i] for i in idx)
         out_dtype = opts.param_dtype or dtypes[idx[0]]
         sharded, replicated = _mesh_dims(lays[0])
@@ -486,6 +508,12 @@ def lower(
         # one rank everywhere, and no expert-parallel mean to divide by
         local = all(c.world == 1 and c.over == 1 for c in (*comms, *replicas))
         post = None
+        if speaking is not None and any(speaking[i] for i in idx):
+            wire = _packed.Wire(tuple(speaking[i] for i in idx), sharded[0], opts.param_dtype,
+                                opts.reduce_dtype)  # fmt: skip
+            buckets.append(Bucket(tuple(idx), lays, tuple(sharded), comms, replicas,
+                                  out_dtype, False, None, wire))  # fmt: skip
+            continue
         if post_forward is not None and sharded:
             sizes = [lays[0].spec.mesh.size(m) for m in sharded]
             _post_forward.check(opts.label, post_forward, sizes, [lay.path for lay in lays])
@@ -497,9 +525,11 @@ def lower(
         )
     local = [b.local for b in buckets]
     uncast = all(d == f == (opts.param_dtype or d) for d, f in zip(dtypes, flat, strict=True))
+    packed = any(b.wire is not None for b in buckets)
     return Lowered(
-        tuple(buckets), len(dtypes), opts, mode, flat, all(local), any(local), all(local) and uncast
-    )
+        tuple(buckets), len(dtypes), opts, mode, flat, all(local), any(local),
+        all(local) and uncast, packed,
+    )  # fmt: skip
 
 
 def _weighted(b: Bucket, counts) -> tuple[tuple[C.Comm, ...], tuple[C.Comm, ...]]:
@@ -545,16 +575,22 @@ def issue(
     ``kept``: per bucket, the slice :func:`keep` kept after forward, or ``None``: those
     buckets are gathered from it within their sub-group (a re-gather, without autograd).
     """
-    tensors = list(armed) if armed is not None else arm(tensors, lowered)
+    shards, tensors = tensors, list(armed) if armed is not None else arm(tensors, lowered)
     # see [Note: a gather's copy-in follows the waits before it] in _compile
     after = after_waits() if lowered.mode is Mode.TRACED else None
     started = []
     for j, b in enumerate(lowered.buckets):
         xs = [tensors[i] for i in b.index]
         comms, replicas = (b.comms, b.replicas) if counts is None else _weighted(b, counts)
-        state: _Level | list[torch.Tensor]
+        state: _Level | list[torch.Tensor] | Any
         slice_ = None if kept is None else kept[j]
-        if slice_ is not None:  # see [Note: reshard to a smaller mesh]
+        if b.wire is not None:  # see [Note: FSDP2's all-gather protocol] in _packed
+            from . import _packed
+
+            opts = lowered.opts.counted(counts) if counts is not None else lowered.opts
+            own = [shards[i] for i in b.index]
+            state = _packed.issue(b.wire, b.layouts, xs, own, comms[0], opts)
+        elif slice_ is not None:  # see [Note: reshard to a smaller mesh]
             state = _from_kept(b, slice_)
         elif b.local:  # see [Note: one rank communicates nothing] in _collectives
             comm = b.comms[0] if b.comms else b.replicas[0]
@@ -602,7 +638,8 @@ def wait_transfers(inflight: Inflight) -> None:
     full-size scratch) are gone: see [Note: refill after the transfer] in ``_schedule``.
     """
     for b in inflight.buckets:
-        if isinstance(b.state, _Level) and b.state.started is not None:
+        packed = b.bucket.wire is not None  # a ``_packed.Packing``
+        if packed or (isinstance(b.state, _Level) and b.state.started is not None):
             b.state.started.transferred()
 
 
@@ -630,6 +667,8 @@ def _copies_once(inflight: Inflight) -> bool:
     if len(inflight.buckets) != 1:
         return False
     started = inflight.buckets[0]
+    if started.bucket.wire is not None:  # the packed gather's node (``_packed.Gathered``)
+        return True
     level = started.state
     return (
         isinstance(level, _Level)
@@ -646,6 +685,16 @@ def _finish(inflight: Inflight, into, then) -> list[torch.Tensor]:
         b = started.bucket
         targets = None if into is None else [into[i] for i in b.index]
         fulls = started.state
+        if b.wire is not None:  # see [Note: FSDP2's all-gather protocol] in _packed
+            from . import _packed
+
+            if targets is None:
+                fulls = _packed.finish(fulls, then)
+            else:
+                fulls = _packed.refill(fulls, targets)
+            for i, full in zip(b.index, fulls, strict=True):
+                out[i] = full
+            continue
         if isinstance(fulls, _Level):
             more = b.sharded[:-1]  # further sharded mesh dims: synchronous
             fulls = _finish_level(fulls, None if more else targets, then)
@@ -662,7 +711,8 @@ def _finish(inflight: Inflight, into, then) -> list[torch.Tensor]:
 def gather(tensors: Sequence[torch.Tensor], layouts: Sequence[Layout], opts: Options):
     """All-gather ``tensors`` to full tensors: :func:`issue` then :func:`finish`."""
     static = dataclasses.replace(opts, counts=None)
-    lowered = lower([t.dtype for t in tensors], layouts, static, Mode.now())
+    speaks = _subclass.speaking(tensors)
+    lowered = lower([t.dtype for t in tensors], layouts, static, Mode.now(), None, speaks)
     return finish(issue(tensors, lowered, counts=opts.counts))
 
 
