@@ -197,7 +197,8 @@ def issue(
             else:
                 d = lay.dim(wire.mesh_dim)
                 chunk = -(-lay.levels[wire.mesh_dim][d] // comm.world)
-                ins, meta = (_padded(x.detach(), d, chunk),), None
+                cast = wire.param_dtype if x.is_floating_point() and wire.param_dtype else x.dtype
+                ins, meta = (_padded(C.cast(x.detach(), cast), d, chunk),), None
             inputs.append(ins)
             metadata.append(meta)
     sent = tuple(tuple((tuple(t.shape), t.dtype) for t in ins) for ins in inputs)
