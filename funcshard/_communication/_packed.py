@@ -135,28 +135,32 @@ def check(layouts, speaking: Sequence[bool], mode: Mode) -> None:
         )
 
 
-def _mesh(layout, mesh_dim: int):
-    mesh = layout.spec.mesh
-    return mesh if mesh.ndim == 1 else _parallel.submesh(mesh, (mesh_dim,))
-
-
-def _policy(wire: Wire):
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    return MixedPrecisionPolicy(param_dtype=wire.param_dtype, reduce_dtype=wire.reduce_dtype)
-
-
-def _pre(shard: torch.Tensor, layout, wire: Wire) -> tuple[tuple[torch.Tensor, ...], Any]:
-    """``fsdp_pre_all_gather`` in whichever of its two forms ``shard``'s class has."""
+def pre_all_gather(
+    shard: torch.Tensor,
+    mesh,
+    shape: Sequence[int],
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> tuple[tuple[torch.Tensor, ...], Any]:
+    """``(inputs, metadata)`` of ``shard.fsdp_pre_all_gather``, in whichever of its two forms
+    its class has: ``mesh`` (the sharded mesh dim's), or also the full ``shape``, its
+    contiguous stride, ``module=None`` and a ``MixedPrecisionPolicy`` of the dtypes."""
     hook = shard.fsdp_pre_all_gather
-    mesh = _mesh(layout, wire.mesh_dim)
     if _arity(type(shard)) == 1:
         inputs, metadata = hook(mesh)
     else:
-        shape = torch.Size(layout.levels[0])
-        stride = tuple(C.contiguous_strides(shape))
-        inputs, metadata = hook(mesh, shape, stride, None, _policy(wire))
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        shape = torch.Size(shape)
+        inputs, metadata = hook(mesh, shape, tuple(C.contiguous_strides(shape)), None, policy)
     return tuple(inputs), metadata
+
+
+def _pre(shard: torch.Tensor, layout, wire: Wire) -> tuple[tuple[torch.Tensor, ...], Any]:
+    mesh = layout.spec.mesh
+    mesh = mesh if mesh.ndim == 1 else _parallel.submesh(mesh, (wire.mesh_dim,))
+    return pre_all_gather(shard, mesh, layout.levels[0], wire.param_dtype, wire.reduce_dtype)
 
 
 _ARITIES: dict[type, int] = {}
