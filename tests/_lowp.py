@@ -140,3 +140,62 @@ def gathered_bytes(c: Collectives, world: int) -> int:
     """The bytes all-gathered (received by each rank) in ``c``'s collectives."""
     size = {d: torch.empty((), dtype=d).element_size() for _, d, _ in c.sent}
     return sum(world * n * size[d] for k, d, n in c.sent if k == "all_gather")
+
+
+# ---- torchao: NF4 QLoRA and float8 training -----------------------------------------------
+
+
+def to_nf4(w: torch.Tensor) -> torch.Tensor:
+    """torchao's NF4 with blocks small enough for the tests' tiny weights to split over 4 ranks
+    (each rank's shard must hold whole blocks of scales: 32 x 32 values here, 64 x 256 in
+    torchtune's defaults)."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4 as nf4
+
+    return nf4(w, block_size=32, scaler_block_size=32)
+
+
+class LoRALinear(nn.Module):
+    """torchtune's QLoRA linear: a frozen NF4 weight plus a trained low-rank update
+    ``scale * B(A(x))`` (``B`` starts non-zero here so that every gradient is non-zero)."""
+
+    def __init__(self, d_in: int, d_out: int, rank: int = 4, alpha: float = 8.0) -> None:
+        super().__init__()
+        base = nn.Linear(d_in, d_out, bias=False)
+        self.weight = nn.Parameter(to_nf4(base.weight.detach()), requires_grad=False)
+        self.lora_a = nn.Linear(d_in, rank, bias=False)
+        self.lora_b = nn.Linear(rank, d_out, bias=False)
+        self.scale = alpha / rank
+
+    def forward(self, x):
+        return F.linear(x, self.weight) + self.scale * self.lora_b(self.lora_a(x))
+
+
+class QLoRAMLP(nn.Module):
+    """Two QLoRA blocks and a trained norm: NF4 weights and float32 adapters in each group."""
+
+    def __init__(self, d: int = 64, hidden: int = 128) -> None:
+        super().__init__()
+        self.up = LoRALinear(d, hidden)
+        self.down = LoRALinear(hidden, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        return self.norm(x + self.down(F.gelu(self.up(x))))
+
+
+def qlora_mlp(seed: int = 0) -> QLoRAMLP:
+    torch.manual_seed(seed)
+    return QLoRAMLP()
+
+
+def float8_mlp(fsdp_float8_all_gather: bool, bias: bool = True, seed: int = 0) -> nn.Sequential:
+    """torchao's float8 training (``convert_to_float8_training``) on three linears of widths
+    divisible by 16 (``torch._scaled_mm``); ``bias=False`` leaves the middle one without bias."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64, bias=bias), nn.GELU(), nn.Linear(64, 32)
+    )
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
+    return convert_to_float8_training(model, config=config)
