@@ -141,11 +141,12 @@ def load_model(kind: str, path: str):
     for k, v in loaded.items():
         a, b = v.to_local(), expected[k].to_local()
         names = a.__tensor_flatten__()[0] if type(a) is not torch.Tensor else None
-        same = (
-            torch.equal(a, b)
-            if names is None
-            else type(a) is type(b) and all(torch.equal(getattr(a, n), getattr(b, n)) for n in names)
-        )
+        if names is None:
+            same = torch.equal(a, b)
+        else:
+            same = type(a) is type(b) and all(
+                torch.equal(getattr(a, n), getattr(b, n)) for n in names
+            )
         out[k] = (type(a).__name__, same, v.requires_grad == expected[k].requires_grad)
     return out
 
