@@ -160,3 +160,27 @@ def test_checkpoints_round_trip_and_reshard(worlds, tmp_path, kind):
             assert all(same and grad for _, same, grad in leaves.values()), (world, leaves)
             assert any(t in ("NF4Tensor", "WeightWithDynamicFloat8CastTensor") for t, _, _ in
                        leaves.values()), leaves  # fmt: skip
+
+
+def materialize_float8():
+    """A float8 model built on meta is initialised straight into float8-training shards, of the
+    values fs.shard cuts from the same model built normally."""
+    warnings.filterwarnings("ignore", category=UserWarning)
+    with torch.device("meta"):
+        meta = float8_mlp(True)
+    torch.manual_seed(0)
+    sharded, _ = fs.materialize(meta, mesh(dist.get_world_size()))
+    expected = _shards("float8_all_gather", 0)
+    out = {}
+    for k, v in sharded.items():
+        a, b = v.to_local(), expected[k].to_local()
+        out[k] = (
+            type(a) is type(b),
+            torch.equal(getattr(a, "_tensor", a), getattr(b, "_tensor", b)),
+        )
+    return out
+
+
+def test_materialize_keeps_float8_weights(world2):
+    for leaves in world2.run(materialize_float8):
+        assert all(same_type and same for same_type, same in leaves.values()), leaves
