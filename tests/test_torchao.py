@@ -184,3 +184,38 @@ def materialize_float8():
 def test_materialize_keeps_float8_weights(world2):
     for leaves in world2.run(materialize_float8):
         assert all(same_type and same for same_type, same in leaves.values()), leaves
+
+
+def explained_vs_real(kind: str):
+    """fs.explain's collectives (kind, bytes in, count) against those of a real step, and its
+    groups' shard bytes against the shards' own memory (NF4: the packed data and scales)."""
+    warnings.filterwarnings("ignore", category=UserWarning)
+    model, unit = _models(kind)
+    sharded = fs.shard(fs.extract(model)[0], mesh(dist.get_world_size()))
+    apply = fs.schedule(model, fs.plan(model, fs.policy.by_type(unit)))
+    x = _inputs(kind, 1, 1)[0, 0]
+    e = fs.explain(apply, sharded, x, loss=lambda out, x: out.square().mean())
+    with Collectives() as c:
+        fs.value_and_grad(lambda p: apply(p, x).square().mean())(sharded)
+    size = {d: torch.empty((), dtype=d).element_size() for _, d, _ in c.sent}
+    real = sorted((k, n * size[d]) for k, d, n in c.sent)
+    predicted = sorted((col.kind, col.in_bytes) for col in e.collectives for _ in range(col.count))
+    owned = {}
+    for g in e.plan.groups:
+        locals_ = [sharded[p].to_local() for p in g.params]
+        owned[g.name] = sum(sum(t.numel() * t.element_size() for t in fs_inner(x)) for x in locals_)
+    return real, predicted, {g.name: g.shard_bytes for g in e.groups}, owned
+
+
+def fs_inner(x: torch.Tensor) -> list[torch.Tensor]:
+    if type(x) is torch.Tensor:
+        return [x]
+    names = x.__tensor_flatten__()[0]
+    return [t for n in names for t in fs_inner(getattr(x, n))]
+
+
+@pytest.mark.parametrize("kind", ["qlora", "float8_all_gather"])
+def test_explain_counts_the_low_precision_bytes(world2, kind):
+    for real, predicted, shard_bytes, owned in world2.run(explained_vs_real, kind):
+        assert predicted == real
+        assert shard_bytes == owned

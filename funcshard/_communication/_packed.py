@@ -64,7 +64,7 @@ from .._runtime._mode import Mode, transformed
 from .._trees import _parallel
 from .._trees._subclass import describe
 from . import _collectives as C
-from . import _consensus, _debug, _flat  # _flat imports this module in its packed branches
+from . import _consensus, _debug, _flat, _liveness  # _flat imports this one where packed
 
 _BYTE = torch.uint8
 
@@ -194,6 +194,7 @@ def issue(
     armed (the regular ones cast to the gather dtype), ``shards``: as passed (whose hooks run);
     ``opts``: the call's ``_flat.Options`` (with its counts), for the backward."""
     inputs, metadata = [], []
+    _liveness.collective("fsdp_pre_all_gather", comm.group, opts.label)  # its own, if any
     with torch.no_grad():
         for lay, s, x, shard in zip(layouts, wire.speaking, xs, shards, strict=True):
             if s:
