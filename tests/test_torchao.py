@@ -219,3 +219,54 @@ def test_explain_counts_the_low_precision_bytes(world2, kind):
     for real, predicted, shard_bytes, owned in world2.run(explained_vs_real, kind):
         assert predicted == real
         assert shard_bytes == owned
+
+
+def trained(kind: str, graphed: bool, steps: int = 4, compile_backend: str | None = None):
+    """``steps`` steps of AdamW on the trained parameters (the NF4 weights stay frozen): eager,
+    ``torch.compile``'d, or graphed on ``fs.cuda_graph``'s CPU stand-in. Returns the losses and
+    the final full trained parameters."""
+    from funcshard._execution._cuda_graph import CudaGraphed, _Rerun
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, unit = _models(kind)
+    sharded = fs.shard(fs.extract(model)[0], mesh(world))
+    frozen = {k: v for k, v in sharded.items() if not v.requires_grad}
+    params = {k: v for k, v in sharded.items() if v.requires_grad}
+    apply = fs.schedule(model, fs.plan(model, fs.policy.by_type(unit)))
+    vg = fs.value_and_grad(lambda p, f, x: apply({**f, **p}, x).square().mean())
+    opt = fs.optim.adamw(1e-2, fused=True, capturable=True)
+    state = opt.init(params)
+
+    def step(p, f, s, x):  # the frozen weights too are arguments, not constants of the graph
+        loss, grads = vg(p, f, x)
+        p, s = fs.optim.step(opt, p, grads, s)
+        return loss, p, s
+
+    if compile_backend is not None:
+        step = torch.compile(step, backend=compile_backend, fullgraph=True)
+    if graphed:
+        step = CudaGraphed(step, warmup=2, max_graphs=4, backend=_Rerun())
+    batches = _inputs(kind, steps, world)
+    losses = []
+    for i in range(steps):
+        loss, params, state = step(params, frozen, state, batches[i, rank])
+        losses.append(loss.item())
+    return losses, {k: v.full_tensor() for k, v in params.items()}
+
+
+def _same(a, b) -> float:
+    return max(
+        max(abs(x - y) for x, y in zip(a[0], b[0], strict=True)),
+        max(_diff(a[1][k], b[1][k]) for k in a[1]),
+    )
+
+
+def graphed_and_compiled(kind: str):
+    eager = trained(kind, False)
+    return _same(eager, trained(kind, True)), _same(eager, trained(kind, False, 4, "aot_eager"))
+
+
+@pytest.mark.parametrize("kind", ["qlora", "float8_all_gather"])
+def test_compiled_and_graphed_steps_equal_eager(world2, kind):
+    for graphed, compiled in world2.run(graphed_and_compiled, kind):
+        assert graphed == 0 and compiled == 0

@@ -59,6 +59,7 @@ import torch
 from torch.distributed.tensor import Shard
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from .._runtime import _compile
 from .._runtime._compile import untraced
 from .._runtime._mode import Mode, transformed
 from .._trees import _parallel
@@ -286,6 +287,23 @@ def owners(fulls: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         kept = _KEPT.get(t) if type(t) is not torch.Tensor else None
         out.extend((*kept.outputs, *kept.inner) if kept is not None else (t,))
     return out
+
+
+def regathered(saved: torch.Tensor, old, new) -> torch.Tensor:
+    """``saved`` -- a tensor subclass made from the full tensors ``old`` (a full parameter or,
+    say, its transpose) -- re-made on ``new``, the same group gathered again: each inner tensor
+    that views a gathered output views the new one the same way (see [Note: a plan under
+    torch.compile] in ``_schedule``); the others (a scale) are kept."""
+    names, ctx = saved.__tensor_flatten__()
+    olds, news = owners(old), owners(new)
+    inner = {}
+    for n in names:
+        t = getattr(saved, n)
+        try:
+            inner[n] = _compile.regathered(t, olds, news)
+        except LookupError:
+            inner[n] = t
+    return type(saved).__tensor_unflatten__(inner, ctx, saved.shape, saved.stride())
 
 
 def _outputs(p: Packing, into: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -509,7 +509,8 @@ class _Group:
         """Keys of the full tensors for ``_Run.owner``: their storages' addresses; traced, the
         ids of the tensors they view (see [Note: a plan under torch.compile])."""
         if self.mode is Mode.TRACED:
-            return [id(_compile.root(t)) for t in self.raw or ()] if self.resident else []
+            raw = _packed.owners(self.raw) if self.lowered.packed else self.raw or ()
+            return [id(_compile.root(t)) for t in raw] if self.resident else []
         return [storage_key(s) for s, _ in self.storages if s.nbytes()]
 
 
@@ -742,7 +743,8 @@ class _Run:
         key = id(_compile.root(local)) if traced else _storage(local)
         group = self.owner.get(key)
         if group is None and self.packed and _subclass.is_subclass(local):  # see _packed
-            keys = (_storage(x) for x in _subclass.inner(local))
+            inner = _subclass.inner(local)
+            keys = (id(_compile.root(x)) for x in inner) if traced else map(_storage, inner)
             group = next((self.owner[k] for k in keys if k in self.owner), None)
         return t if group is None else _Saved(group, t, self.groups[group].raw)
 
@@ -751,6 +753,8 @@ class _Run:
             self._use(self.backward, saved.group)
             state = self.groups[saved.group]
             if self.mode is Mode.TRACED and state.raw is not saved.raw:  # gathered again since
+                if _subclass.is_subclass(saved.tensor):  # rebuilt by FSDP2's hooks
+                    return _packed.regathered(saved.tensor, saved.raw, state.raw)
                 return _compile.regathered(saved.tensor, saved.raw, state.raw)
             return saved.tensor
         return saved

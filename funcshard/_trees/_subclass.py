@@ -93,12 +93,22 @@ def cut(path: str, x: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]
         if size == x.shape[d]:
             continue
         x = _chunk(path, x, d, offset, size)
-    fresh = _step(path, x, "new_zeros", lambda: x.new_zeros(x.shape))
-    target = fresh
-    if fresh.dim():
-        target = _step(path, x, "narrow(start=0)", lambda: fresh.narrow(0, 0, fresh.shape[0]))
+    return fresh(x, path)
+
+
+def fresh(x: torch.Tensor, path: str = "<tensor>") -> torch.Tensor:
+    """A copy of the subclass tensor ``x`` in memory of its own, made with ``new_zeros`` and
+    ``copy_`` into a zero-offset ``narrow`` (``clone`` may compute: NF4 quantizes again).
+
+    Raises:
+        NotImplementedError: naming ``path`` and the operation the subclass lacks.
+    """
+    out = _step(path, x, "new_zeros", lambda: x.new_zeros(x.shape))
+    target = out
+    if out.dim():
+        target = _step(path, x, "narrow(start=0)", lambda: out.narrow(0, 0, out.shape[0]))
     _step(path, x, "copy_", lambda: target.copy_(x))
-    return fresh
+    return out
 
 
 def _chunk(path: str, x: torch.Tensor, d: int, offset: int, size: int) -> torch.Tensor:
