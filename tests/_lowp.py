@@ -145,23 +145,24 @@ def gathered_bytes(c: Collectives, world: int) -> int:
 # ---- torchao: NF4 QLoRA and float8 training -----------------------------------------------
 
 
-def to_nf4(w: torch.Tensor) -> torch.Tensor:
+def to_nf4(w: torch.Tensor, block: int = 32) -> torch.Tensor:
     """torchao's NF4 with blocks small enough for the tests' tiny weights to split over 4 ranks
-    (each rank's shard must hold whole blocks of scales: 32 x 32 values here, 64 x 256 in
-    torchtune's defaults)."""
+    (each rank's shard must hold whole blocks of scales: ``block`` x ``block`` values here, 64 x
+    256 in torchtune's defaults)."""
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4 as nf4
 
-    return nf4(w, block_size=32, scaler_block_size=32)
+    return nf4(w, block_size=block, scaler_block_size=block)
 
 
 class LoRALinear(nn.Module):
     """torchtune's QLoRA linear: a frozen NF4 weight plus a trained low-rank update
     ``scale * B(A(x))`` (``B`` starts non-zero here so that every gradient is non-zero)."""
 
-    def __init__(self, d_in: int, d_out: int, rank: int = 4, alpha: float = 8.0) -> None:
+    def __init__(self, d_in: int, d_out: int, rank: int = 4, alpha: float = 8.0, base=None,
+                 block: int = 32) -> None:  # fmt: skip
         super().__init__()
-        base = nn.Linear(d_in, d_out, bias=False)
-        self.weight = nn.Parameter(to_nf4(base.weight.detach()), requires_grad=False)
+        base = nn.Linear(d_in, d_out, bias=False) if base is None else base
+        self.weight = nn.Parameter(to_nf4(base.weight.detach(), block), requires_grad=False)
         self.lora_a = nn.Linear(d_in, rank, bias=False)
         self.lora_b = nn.Linear(rank, d_out, bias=False)
         self.scale = alpha / rank
@@ -199,3 +200,18 @@ def float8_mlp(fsdp_float8_all_gather: bool, bias: bool = True, seed: int = 0) -
     )
     config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
     return convert_to_float8_training(model, config=config)
+
+
+def qlora(model: nn.Module, block: int = 16) -> nn.Module:
+    """A QLoRA fine-tune's model: every linear of the decoder layers becomes a
+    :class:`LoRALinear` over its NF4-quantized weight, everything else is frozen (as torchtune's
+    ``lora_llama`` and PEFT's ``get_peft_model`` after ``prepare_model_for_kbit_training``)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for layer in model.model.layers:
+        for name, sub in list(layer.named_modules()):
+            if isinstance(sub, nn.Linear):
+                owner = layer.get_submodule(name.rpartition(".")[0])
+                lora = LoRALinear(sub.in_features, sub.out_features, base=sub, block=block)
+                setattr(owner, name.rpartition(".")[2], lora)
+    return model
