@@ -265,6 +265,8 @@ def _from_rank_major(rows: torch.Tensor, chunk_shape: tuple[int, ...], dim: int)
 
 def _to_rank_major(x: torch.Tensor, dim: int, world: int) -> torch.Tensor:
     """Inverse of :func:`_from_rank_major`: ``[.., W*c, ..]`` -> ``[W, numel / W]``."""
+    if dim == 0:  # the rows are the chunks already: one view (a copy if not contiguous)
+        return x.reshape(world, -1)
     return x.unflatten(dim, (world, x.shape[dim] // world)).movedim(dim, 0).reshape(world, -1)
 
 
@@ -554,6 +556,12 @@ def arm(tensors: Sequence[torch.Tensor], lowered: Lowered) -> list[torch.Tensor]
     dtypes = lowered.flat_dtypes
     cast = [C.cast(x, d) for x, d in zip(tensors, dtypes, strict=True)]
     if not lowered.mode.asynchronous or lowered.local or not torch.is_grad_enabled():
+        return cast
+    if lowered.packed:  # frozen low-precision shards (QLoRA's): nothing to wait for, no alias
+        live = [i for i, x in enumerate(cast) if x.requires_grad]
+        waited = C.Notify.apply(C.waiting(lowered.opts.label), *(cast[i] for i in live))
+        for i, x in zip(live, waited, strict=True):
+            cast[i] = x
         return cast
     return list(C.Notify.apply(C.waiting(lowered.opts.label), *cast))
 

@@ -41,9 +41,9 @@ of each packed bucket of a lowered structure exchanges, through the store (no co
 rank's description of what its hooks returned -- per parameter: the inputs' shapes and dtypes
 and the metadata's :func:`~funcshard._trees._subclass.describe` (tensors by dtype and shape) --
 and raises the same ``ValueError`` on every rank, naming the first parameter that differs. Later
-gathers of the same structure compare with the agreed description locally, and a change is an
-error naming the parameter on the rank that sees it (``FUNCSHARD_DEBUG=1`` exchanges at every
-gather, so that every rank raises).
+gathers of the same structure compare the sizes and dtypes sent with the agreed ones locally (a
+change is an error naming the parameter on the rank that sees it); ``FUNCSHARD_DEBUG=1``
+exchanges the whole description at every gather, so that every rank raises.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ _BYTE = torch.uint8
 class Wire:
     """The static part of a packed bucket: per leaf, whether it speaks the protocol; the
     sharded mesh dim; the dtype handed to ``fsdp_post_all_gather`` (``None``: each shard's);
-    the descriptions the ranks agreed on (see [Note: the ranks agree on what the hooks
-    return]), filled at the first gather."""
+    what the ranks agreed they send (see [Note: the ranks agree on what the hooks return]),
+    filled at the first gather."""
 
     speaking: tuple[bool, ...]
     mesh_dim: int
@@ -210,7 +210,7 @@ def issue(
     sent = tuple(tuple((tuple(t.shape), t.dtype) for t in ins) for ins in inputs)
     _agree(wire, layouts, sent, metadata, opts.label)
     pieces = [_bytes(t) for ins in inputs for t in ins]
-    started = C.start_all_gather(dataclasses.replace(comm, gather_dtype=_BYTE), pieces)
+    started = C.start_all_gather(dataclasses.replace(comm, gather_dtype=_BYTE), pieces, flat=True)
     return Packing(
         wire, tuple(layouts), opts, comm.mode, comm.world, sent, started, tuple(xs),
         tuple(shards), tuple(metadata),
@@ -225,28 +225,27 @@ def _padded(x: torch.Tensor, d: int, size: int) -> torch.Tensor:
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    flat = t.reshape(-1)
+    flat = t if t.dim() == 1 else t.reshape(-1)
     return flat if flat.dtype == _BYTE else flat.view(_BYTE)
 
 
 def _agree(wire: Wire, layouts, sent, metadata, label: str) -> None:
     """See [Note: the ranks agree on what the hooks return]."""
+    agreed = wire.agreed.get("sent")
+    if agreed is not None and not _debug.enabled():
+        if sent != agreed:  # the sizes sent: what the other ranks expect
+            p = next(lay.path for lay, a, b in zip(layouts, sent, agreed, strict=True) if a != b)
+            raise RuntimeError(
+                f"funcshard: the fsdp_pre_all_gather of {p!r} returned other sizes or dtypes "
+                "than at the earlier gathers, which the other ranks still gather. A subclass's "
+                "hooks must return the same sizes at every gather of a structure."
+            )
+        return
     mine = {
         lay.path: f"inputs {[(list(s), str(d)) for s, d in shapes]}, metadata {describe(meta)}"
         for lay, s, shapes, meta in zip(layouts, wire.speaking, sent, metadata, strict=True)
         if s
     }
-    if wire.agreed and not _debug.enabled():
-        changed = [p for p, v in mine.items() if wire.agreed.get(p) != v]
-        if changed:
-            p = changed[0]
-            raise RuntimeError(
-                f"funcshard: the fsdp_pre_all_gather of {p!r} returned {mine[p]}, where its "
-                f"earlier gathers returned {wire.agreed[p]}, which the other ranks still "
-                "gather. A subclass's hooks must return the same sizes and metadata at every "
-                "gather of a structure."
-            )
-        return
     with untraced():
         everyone = _consensus.each_rank(f"packed gather {label!r}", json.dumps(mine))
     tables = [json.loads(v) for v in everyone]
@@ -260,7 +259,7 @@ def _agree(wire: Wire, layouts, sent, metadata, label: str) -> None:
                 "metadata: shard the parameter evenly (dim 0 divisible by the number of ranks) "
                 "and keep rank-dependent values out of its metadata."
             )
-    wire.agreed.update(mine)
+    wire.agreed["sent"] = sent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,35 +294,46 @@ def regathered(saved: torch.Tensor, old, new) -> torch.Tensor:
     that views a gathered output views the new one the same way (see [Note: a plan under
     torch.compile] in ``_schedule``); the others (a scale) are kept."""
     names, ctx = saved.__tensor_flatten__()
-    olds, news = owners(old), owners(new)
+    new_of = {id(_compile.root(o)): n for o, n in zip(owners(old), owners(new), strict=True)}
     inner = {}
-    for n in names:
-        t = getattr(saved, n)
-        try:
-            inner[n] = _compile.regathered(t, olds, news)
-        except LookupError:
-            inner[n] = t
+    for name in names:
+        t = getattr(saved, name)
+        n = new_of.get(id(_compile.root(t)))
+        # the outputs are bytes: the same view of the new ones, in the inner tensor's dtype
+        inner[name] = t if n is None else _typed_like(_compile.root(n), t)
     return type(saved).__tensor_unflatten__(inner, ctx, saved.shape, saved.stride())
+
+
+def _typed_like(buffer: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    buffer = buffer if buffer.dtype == t.dtype else buffer.view(t.dtype)
+    return buffer.as_strided(t.shape, t.stride(), t.storage_offset())
 
 
 def _outputs(p: Packing, into: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Wait for the all-gather; copy each input's column of the ``[W, S]`` bytes into its
-    output in ``into`` (``[W * n]`` of its dtype); return the outputs viewed as the ranks'
-    inputs concatenated along dim 0 (FSDP2's ``all_gather_outputs``)."""
+    output in ``into`` (``W * n`` bytes each); return the outputs viewed in their inputs'
+    dtypes, as the ranks' inputs concatenated along dim 0 (FSDP2's ``all_gather_outputs``)."""
     buffer = p.started.wait()
-    rows = [o.reshape(-1).view(_BYTE).view(p.world, -1) for o in into]
+    rows = [o.view(p.world, -1) for o in into]
     sizes = [r.shape[1] for r in rows]
     with torch.autograd._unsafe_preserve_version_counter(tuple(into)):
         torch.split_with_sizes_copy(buffer.view(p.world, -1), sizes, 1, out=rows)
     if not p.traced:  # see [Note: releasing collective buffers] in _flat
         buffer.untyped_storage().resize_(0)
-    shapes = [shape for leaf in p.sent for shape, _ in leaf]
-    return [o.view(-1, *shape[1:]) for o, shape in zip(into, shapes, strict=True)]
+    sent = [x for leaf in p.sent for x in leaf]
+    return [_typed(o, shape, dtype) for o, (shape, dtype) in zip(into, sent, strict=True)]
+
+
+def _typed(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    out = out if dtype == _BYTE else out.view(dtype)
+    return out if len(shape) == 1 else out.view(-1, *shape[1:])
 
 
 def _new(leaf, world: int, device: torch.device) -> list[torch.Tensor]:
-    """New outputs for one leaf's inputs."""
-    return [torch.empty(world * math.prod(s), dtype=d, device=device) for s, d in leaf]
+    """New outputs (bytes) for one leaf's inputs."""
+    return [
+        torch.empty(world * math.prod(s) * d.itemsize, dtype=_BYTE, device=device) for s, d in leaf
+    ]
 
 
 def _per_leaf(p: Packing, outs: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -334,17 +344,18 @@ def _per_leaf(p: Packing, outs: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 def _rebuild(p: Packing) -> list[torch.Tensor]:
     """The full tensors of a first gather (see [Note: FSDP2's all-gather protocol])."""
     device = p.started.output.device
-    gathered = _outputs(p, [o for leaf in p.sent for o in _new(leaf, p.world, device)])
+    new = [o for leaf in p.sent for o in _new(leaf, p.world, device)]
+    gathered = _outputs(p, new)
     fulls = []
-    for s, shard, outs, meta, lay, sent in zip(
-        p.wire.speaking, p.shards, _per_leaf(p, gathered), p.metadata, p.layouts, p.sent,
-        strict=True,
+    for s, shard, outs, raw, meta, lay, sent in zip(
+        p.wire.speaking, p.shards, _per_leaf(p, gathered), _per_leaf(p, new), p.metadata,
+        p.layouts, p.sent, strict=True,
     ):  # fmt: skip
         if not s:
             fulls.append(_regular(outs[0], lay, sent[0][0], p))
             continue
         full, inner = shard.fsdp_post_all_gather(tuple(outs), meta, _dtype(p, shard))
-        _KEPT[full] = _Kept(tuple(outs), tuple(inner))
+        _KEPT[full] = _Kept(tuple(raw), tuple(inner))
         fulls.append(full)
     return fulls
 
@@ -357,7 +368,8 @@ def _regular(out: torch.Tensor, lay, chunk: tuple[int, ...], p: Packing) -> torc
     """A regular leaf's full tensor from its output: the ranks' padded ``chunk``s."""
     d = lay.dim(p.wire.mesh_dim)
     size = lay.levels[p.wire.mesh_dim][d]
-    full = _flat._from_rank_major(out.view(p.world, -1), chunk, d)
+    # along dim 0, the ranks' chunks one after the other are the full tensor already
+    full = out if d == 0 else _flat._from_rank_major(out.view(p.world, -1), chunk, d)
     return full if full.shape[d] == size else full.narrow(d, 0, size)
 
 
