@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 import funcshard as fs
 
@@ -208,3 +209,28 @@ def unshardable():
 
 def test_a_subclass_without_an_operation_the_shard_needs_is_named(world2):
     assert world2.run(unshardable) == [None, None]
+
+
+def refused(kind: str):
+    """What funcshard refuses for protocol parameters: a layout other than dim 0 over one mesh
+    dim, and torch.func transforms (whose wrappers hide the subclass)."""
+    model = int8_mlp(Int8Rows)
+    params, _ = fs.extract(model)
+    x = torch.randn(4, 16)
+    if kind == "layout":
+        sharded = fs.shard(params, mesh(2), lambda path, t: Shard(1) if t.dim() == 2 else None)
+        apply = fs.schedule(model, fs.plan(model, fs.policy.by_type(nn.Linear)))
+        return raises(
+            lambda: fs.value_and_grad(lambda p: apply(p, x).sum())(sharded),
+            NotImplementedError, "'0.weight (S(1))'", "Shard(0) on one mesh dim",
+        )  # fmt: skip
+    local = fs.to_local(fs.shard(params, mesh(2)))
+    loss = lambda p: fs.functional_call(model, fs.unshard(p), (x,)).sum()
+    return raises(
+        lambda: torch.func.grad(loss)(local), NotImplementedError, "'0.weight'", "torch.func"
+    )
+
+
+@pytest.mark.parametrize("kind", ["layout", "torch.func"])
+def test_what_is_refused_is_named(world2, kind):
+    assert world2.run(refused, kind) == [None, None]

@@ -21,6 +21,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from .._runtime._mode import transformed
+from ._dtensor import unwrap
+
 
 def is_subclass(x: torch.Tensor) -> bool:
     """``x`` is a wrapper tensor subclass (inner tensors, ``__tensor_flatten__``) other than
@@ -47,9 +50,12 @@ def speaks(x: torch.Tensor) -> bool:
 
 
 def speaking(tensors: Sequence[torch.Tensor]) -> tuple[bool, ...] | None:
-    """Per tensor, :func:`speaks`; ``None`` when none does (the common case, checked by type)."""
+    """Per tensor, :func:`speaks`; ``None`` when none does (the common case, checked by type).
+    Inside ``torch.func`` transforms, of the tensors under their wrappers."""
     if all(type(t) is torch.Tensor for t in tensors):
-        return None
+        if not transformed():
+            return None
+        tensors = [unwrap(t) for t in tensors]
     flags = tuple(speaks(t) for t in tensors)
     return flags if any(flags) else None
 
