@@ -234,3 +234,20 @@ def refused(kind: str):
 @pytest.mark.parametrize("kind", ["layout", "torch.func"])
 def test_what_is_refused_is_named(world2, kind):
     assert world2.run(refused, kind) == [None, None]
+
+
+def one_rank_quantized():
+    """A parameter that is a subclass on one rank and plain on the other: the per-call
+    agreement names it, on every rank, before any collective."""
+    model = int8_mlp(Int8Rows if dist.get_rank() == 0 else None)
+    params, _ = fs.extract(model)
+    apply = fs.schedule(model, fs.plan(model, fs.policy.by_type(nn.Linear)))
+    x = torch.randn(4, 16)
+    return raises(
+        lambda: fs.value_and_grad(lambda p: apply(p, x).sum())(fs.shard(params, mesh(2))),
+        ValueError, "ranks disagree at '0.weight'", "Int8Rows of torch.float32",
+    )  # fmt: skip
+
+
+def test_a_subclass_on_one_rank_only_is_named(world2):
+    assert world2.run(one_rank_quantized) == [None, None]
