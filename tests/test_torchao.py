@@ -270,3 +270,20 @@ def graphed_and_compiled(kind: str):
 def test_compiled_and_graphed_steps_equal_eager(world2, kind):
     for graphed, compiled in world2.run(graphed_and_compiled, kind):
         assert graphed == 0 and compiled == 0
+
+
+def exported(kind: str):
+    """``fs.checkpoint.export_state_dict`` of low-precision shards: each weight's value in its
+    dtype (NF4 dequantized, float8 training's float32 weight), as the unsharded model has it."""
+    sd = fs.checkpoint.export_state_dict(_shards(kind, 0))
+    if dist.get_rank() != 0:
+        return None
+    ref, _ = _models(kind)
+    expected = {k: p.detach().to(p.dtype) for k, p in ref.named_parameters()}
+    return {k: (type(v) is torch.Tensor, torch.equal(v, expected[k])) for k, v in sd.items()}
+
+
+@pytest.mark.parametrize("kind", ["qlora", "float8_all_gather"])
+def test_export_state_dict_gives_the_values(world2, kind):
+    leaves = world2.run(exported, kind)[0]
+    assert all(plain and same for plain, same in leaves.values()), leaves
