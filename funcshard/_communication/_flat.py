@@ -36,7 +36,8 @@ from .._runtime._mode import Mode
 from .._trees import _subclass
 from .._trees._spec import ShardSpec
 from . import _collectives as C
-from . import _counts, _opaque, _post_forward
+from . import _counts, _opaque, _packed, _post_forward
+from ._rows import _from_rank_major, _pad, _refill, _to_rank_major
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,29 +248,6 @@ def _buckets(
     return list(keys.values())
 
 
-def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """Zero-pad ``dim`` to ``size``. A concatenation, whose backward is a view (``F.pad``'s
-    copies), so a pending gradient passes through unread."""
-    extra = size - x.shape[dim]
-    if extra == 0:
-        return x
-    return torch.cat([x, x.new_zeros(*x.shape[:dim], extra, *x.shape[dim + 1 :])], dim=dim)
-
-
-def _from_rank_major(rows: torch.Tensor, chunk_shape: tuple[int, ...], dim: int) -> torch.Tensor:
-    """``[W, prod(chunk_shape)]`` -> the W chunks concatenated along ``dim``."""
-    w = rows.shape[0]
-    out = rows.view(w, *chunk_shape).movedim(0, dim)
-    return out.reshape(*chunk_shape[:dim], w * chunk_shape[dim], *chunk_shape[dim + 1 :])
-
-
-def _to_rank_major(x: torch.Tensor, dim: int, world: int) -> torch.Tensor:
-    """Inverse of :func:`_from_rank_major`: ``[.., W*c, ..]`` -> ``[W, numel / W]``."""
-    if dim == 0:  # the rows are the chunks already: one view (a copy if not contiguous)
-        return x.reshape(world, -1)
-    return x.unflatten(dim, (world, x.shape[dim] // world)).movedim(dim, 0).reshape(world, -1)
-
-
 def _split(flat: torch.Tensor, shapes, dims, sizes) -> list[torch.Tensor]:
     """Split a flat buffer into tensors of ``shapes``, each narrowed along its dim (if not None)
     to its size."""
@@ -425,13 +403,6 @@ def _refill_rows(targets: Sequence[torch.Tensor], rows: torch.Tensor, chunks) ->
     return list(targets)
 
 
-def _refill(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """Copy ``value`` into ``target`` (a tensor autograd saved) without bumping its version."""
-    with torch.autograd._unsafe_preserve_version_counter(target):
-        target.detach().copy_(value)
-    return target
-
-
 def _refill_chunks(target: torch.Tensor, rows: torch.Tensor, chunk_shape, dim: int):
     """:func:`_refill` with ``_from_rank_major(rows, chunk_shape, dim)``, copied chunk by chunk
     into ``target``'s own memory: one copy, no full-size temporary."""
@@ -493,8 +464,6 @@ def lower(
         _counts.refuse_experts([lay.path for lay in layouts if lay.over > 1])
     flat = tuple(_flat_dtype(opts, d) for d in dtypes)
     if speaking is not None:
-        from . import _packed
-
         _packed.check(layouts, speaking, mode)
         flat = tuple(d if s else f for d, f, s in zip(dtypes, flat, speaking, strict=True))
     buckets = []
@@ -593,8 +562,6 @@ def issue(
         state: _Level | list[torch.Tensor] | Any
         slice_ = None if kept is None else kept[j]
         if b.wire is not None:  # see [Note: FSDP2's all-gather protocol] in _packed
-            from . import _packed
-
             opts = lowered.opts.counted(counts) if counts is not None else lowered.opts
             own = [shards[i] for i in b.index]
             state = _packed.issue(b.wire, b.layouts, xs, own, comms[0], opts)
@@ -694,10 +661,8 @@ def _finish(inflight: Inflight, into, then) -> list[torch.Tensor]:
         targets = None if into is None else [into[i] for i in b.index]
         fulls = started.state
         if b.wire is not None:  # see [Note: FSDP2's all-gather protocol] in _packed
-            from . import _packed
-
             if targets is None:
-                fulls = _packed.finish(fulls, then)
+                fulls = _finish_packed(fulls, then)
             else:
                 fulls = _packed.refill(fulls, targets)
             for i, full in zip(b.index, fulls, strict=True):
@@ -714,6 +679,53 @@ def _finish(inflight: Inflight, into, then) -> list[torch.Tensor]:
         for i, full in zip(b.index, fulls, strict=True):
             out[i] = C.cast(full, b.out_dtype)
     return out  # type: ignore[return-value]
+
+
+def _finish_packed(p: _packed.Packing, then=None) -> list[torch.Tensor]:
+    """The full tensors of a packed bucket's first gather (see ``_packed``), recorded by
+    autograd: their gradients are reduce-scattered to the shards (:class:`_PackedGather`)."""
+    if not torch.is_grad_enabled() or not any(x.requires_grad for x in p.xs):
+        with torch.no_grad():
+            return _packed.rebuild(p)
+    return list(_PackedGather.apply(p, then, *p.xs))
+
+
+class _PackedGather(C._Function):
+    """A packed bucket's full tensors from its gather; backward: ``then`` (the post-backward
+    callback, see [Note: the copy-out node is the post-backward node]), then :func:`scatter`
+    of the differentiable leaves' gradients to their shards (in the call's ``grad_reduce``,
+    dtypes and mode; an unused output reduces as zeros)."""
+
+    @staticmethod
+    def forward(p: _packed.Packing, then, *xs):
+        return tuple(_packed.rebuild(p))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        p, ctx.then, *xs = inputs
+        ctx.p = dataclasses.replace(p, started=None, xs=(), shards=(), metadata=())
+        ctx.like = [(x.dtype, x.device) for x in xs]
+        ctx.set_materialize_grads(False)
+        frozen = [y for x, y in zip(xs, output, strict=True) if not x.requires_grad]
+        ctx.mark_non_differentiable(*frozen)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if ctx.then is not None:
+            grads = ctx.then(grads)
+        p, needs = ctx.p, ctx.needs_input_grad[2:]
+        idx = [i for i, n in enumerate(needs) if n]
+        fulls = []
+        for i in idx:
+            g = grads[i]
+            if g is None:  # an unused output: zeros, as the gather's backward reduces them
+                dtype, device = ctx.like[i]
+                dtype = p.wire.param_dtype or dtype
+                g = torch.zeros(p.layouts[i].levels[0], dtype=dtype, device=device)
+            fulls.append(g)
+        layouts, dtypes = [p.layouts[i] for i in idx], [ctx.like[i][0] for i in idx]
+        reduced = iter(scatter(fulls, layouts, dtypes, p.opts, p.mode))
+        return (None, None, *(next(reduced) if n else None for n in needs))
 
 
 def gather(tensors: Sequence[torch.Tensor], layouts: Sequence[Layout], opts: Options):

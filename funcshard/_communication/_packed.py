@@ -52,7 +52,7 @@ import dataclasses
 import inspect
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -65,7 +65,8 @@ from .._runtime._mode import Mode, transformed
 from .._trees import _parallel
 from .._trees._subclass import describe
 from . import _collectives as C
-from . import _consensus, _debug, _flat, _liveness  # _flat imports this one where packed
+from . import _consensus, _debug, _liveness
+from ._rows import _from_rank_major, _pad, _refill
 
 _BYTE = torch.uint8
 
@@ -204,7 +205,7 @@ def issue(
                 d = lay.dim(wire.mesh_dim)
                 chunk = -(-lay.levels[wire.mesh_dim][d] // comm.world)
                 cast = wire.param_dtype if x.is_floating_point() and wire.param_dtype else x.dtype
-                ins, meta = (_padded(C.cast(x.detach(), cast), d, chunk),), None
+                ins, meta = (_pad(C.cast(x.detach(), cast), d, chunk),), None
             inputs.append(ins)
             metadata.append(meta)
     sent = tuple(tuple((tuple(t.shape), t.dtype) for t in ins) for ins in inputs)
@@ -215,13 +216,6 @@ def issue(
         wire, tuple(layouts), opts, comm.mode, comm.world, sent, started, tuple(xs),
         tuple(shards), tuple(metadata),
     )  # fmt: skip
-
-
-def _padded(x: torch.Tensor, d: int, size: int) -> torch.Tensor:
-    extra = size - x.shape[d]
-    if extra == 0:
-        return x
-    return torch.cat([x, x.new_zeros(*x.shape[:d], extra, *x.shape[d + 1 :])], dim=d)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -341,8 +335,9 @@ def _per_leaf(p: Packing, outs: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return [[next(it) for _ in leaf] for leaf in p.sent]
 
 
-def _rebuild(p: Packing) -> list[torch.Tensor]:
-    """The full tensors of a first gather (see [Note: FSDP2's all-gather protocol])."""
+def rebuild(p: Packing) -> list[torch.Tensor]:
+    """The full tensors of a first gather (see [Note: FSDP2's all-gather protocol]): the hooks'
+    rebuilt parameters, and the other leaves' full tensors (views of their outputs)."""
     device = p.started.output.device
     new = [o for leaf in p.sent for o in _new(leaf, p.world, device)]
     gathered = _outputs(p, new)
@@ -369,7 +364,7 @@ def _regular(out: torch.Tensor, lay, chunk: tuple[int, ...], p: Packing) -> torc
     d = lay.dim(p.wire.mesh_dim)
     size = lay.levels[p.wire.mesh_dim][d]
     # along dim 0, the ranks' chunks one after the other are the full tensor already
-    full = out if d == 0 else _flat._from_rank_major(out.view(p.world, -1), chunk, d)
+    full = out if d == 0 else _from_rank_major(out.view(p.world, -1), chunk, d)
     return full if full.shape[d] == size else full.narrow(d, 0, size)
 
 
@@ -388,52 +383,5 @@ def refill(p: Packing, targets: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if s:
             shard.fsdp_post_all_gather(tuple(outs), meta, _dtype(p, shard), out=target)
         else:
-            _flat._refill(target, _regular(outs[0], lay, sent[0][0], p))
+            _refill(target, _regular(outs[0], lay, sent[0][0], p))
     return list(targets)
-
-
-def finish(p: Packing, then: Callable | None = None) -> list[torch.Tensor]:
-    """The full tensors of a packed bucket's first gather, recorded by autograd: their
-    gradients are reduce-scattered to the shards' (see :class:`Gathered`)."""
-    if not torch.is_grad_enabled() or not any(x.requires_grad for x in p.xs):
-        with torch.no_grad():
-            return _rebuild(p)
-    return list(Gathered.apply(p, then, *p.xs))
-
-
-class Gathered(C._Function):
-    """A packed bucket's full tensors from its gather; backward: ``then`` (the post-backward
-    callback, see [Note: the copy-out node is the post-backward node] in ``_flat``), then the
-    reduce-scatter of the differentiable leaves' gradients to their shards (``_flat.scatter``,
-    in the call's ``grad_reduce``, dtypes and mode; an unused output reduces as zeros)."""
-
-    @staticmethod
-    def forward(p: Packing, then, *xs):
-        return tuple(_rebuild(p))
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        p, ctx.then, *xs = inputs
-        ctx.p = dataclasses.replace(p, started=None, xs=(), shards=(), metadata=())
-        ctx.like = [(x.dtype, x.device) for x in xs]
-        ctx.set_materialize_grads(False)
-        frozen = [y for x, y in zip(xs, output, strict=True) if not x.requires_grad]
-        ctx.mark_non_differentiable(*frozen)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        if ctx.then is not None:
-            grads = ctx.then(grads)
-        p, needs = ctx.p, ctx.needs_input_grad[2:]
-        idx = [i for i, n in enumerate(needs) if n]
-        fulls = []
-        for i in idx:
-            g = grads[i]
-            if g is None:  # an unused output: zeros, as the gather's backward reduces them
-                dtype, device = ctx.like[i]
-                dtype = p.wire.param_dtype or dtype
-                g = torch.zeros(p.layouts[i].levels[0], dtype=dtype, device=device)
-            fulls.append(g)
-        layouts = [p.layouts[i] for i in idx]
-        reduced = iter(_flat.scatter(fulls, layouts, [ctx.like[i][0] for i in idx], p.opts, p.mode))
-        return (None, None, *(next(reduced) if n else None for n in needs))
