@@ -474,3 +474,15 @@ def test_gpu_part_keeps_a_failure_in_full():
     cells = gpu._cells(row)
     assert cells[0] == f"failed (build and first steps): `{row['error']}`"
     assert len(cells) == len(gpu.HEADER) - 1
+
+
+def test_lowp_part_gathers_what_fsdp2_gathers(world2):
+    """``benchmarks/lowp.py`` on a small float8 model: the same bytes each way as FSDP2, and the
+    same trained parameters."""
+    pytest.importorskip("torchao")
+    from benchmarks import lowp
+
+    for r in world2.run(lowp.measure, "float8", width=128, blocks=1, tokens=16, steps=1):
+        assert r["max |funcshard - FSDP2| of the trained parameters"] == 0
+        assert r["funcshard all-gathered KiB"] == r["FSDP2 all-gathered KiB"] > 0
+        assert r["funcshard reduce-scattered KiB"] == r["FSDP2 reduce-scattered KiB"] > 0

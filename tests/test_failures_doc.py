@@ -38,6 +38,7 @@ TESTING = "The testing harness: fs.testing"
 COMPILE = "torch.compile"
 CUDA_GRAPH = "CUDA graphs: fs.cuda_graph"
 EXPLAIN_CLI = "Explaining a step: fs.explain, python -m funcshard.explain"
+LOW_PRECISION = "Low-precision weights: tensor subclasses"
 
 # The page section of each raise site: "file::function" first, then the file, then its folder.
 AREAS = {
@@ -83,6 +84,8 @@ AREAS = {
     "_communication/_collectives.py": TORCH_FUNC,
     "_runtime/_mode.py": TORCH_FUNC,  # refuse_jacfwd
     "_communication/_flat.py": TORCH_FUNC,
+    "_communication/_packed.py": LOW_PRECISION,
+    "_trees/_subclass.py": LOW_PRECISION,
     "transforms/_materialize.py": INIT,
     "_trees/_materialize_steps.py": INIT,
     "optim/": OPTIM,

@@ -482,3 +482,66 @@ def test_func_grad(world2, name):
 @pytest.mark.parametrize("name", ["qwen3moe", "deepseek"])  # (Mixtral's experts: the same)
 def test_explain_in_float32(world2, name):
     on_ranks(world2, explained_like_the_step, name)
+
+
+# ---- QLoRA: a Llama fine-tuned over NF4 weights -------------------------------------------
+
+
+def qlora_llama():
+    from _lowp import qlora
+
+    return qlora(build("llama"))
+
+
+def qlora_fine_tune(steps: int = 3) -> None:
+    """QLoRA of a Hugging Face Llama: its decoder's linears NF4 (torchao) with LoRA adapters,
+    everything else frozen; ``steps`` of ``fs.optim.adamw`` on the adapters == the unsharded
+    model with ``torch.optim.AdamW`` (every loss, the adapters at the end); the first step's
+    gradients == FSDP2's (``fully_shard`` per layer + root), bit for bit, with the same bytes
+    gathered."""
+    from _lowp import gathered_bytes
+
+    model = qlora_llama()
+    params, buffers = fs.extract(model)
+    sharded = fs.shard(params, mesh(2))
+    assert (
+        type(sharded["model.layers.0.self_attn.q_proj.weight"].to_local()).__name__ == "NF4Tensor"
+    )
+    trained = {k: v for k, v in sharded.items() if v.requires_grad}
+    frozen = {k: v for k, v in sharded.items() if not v.requires_grad}
+    apply = fs.schedule(model, plan_of("llama", model, order=planned_order(model)))
+    forward = lambda p: functools.partial(apply, {**frozen, **p}, buffers=buffers)
+    loss_fn = lambda p, b: loss_of("llama", forward(p), b)
+    opt = fs.optim.adamw(LR, weight_decay=0.1)
+    state = opt.init(trained)
+    ref = qlora_llama()
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR,
+                                weight_decay=0.1)  # fmt: skip
+    theirs = qlora_llama()
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in theirs.model.layers:
+        fully_shard(layer, mesh=mesh(2))
+    fully_shard(theirs, mesh=mesh(2))
+    for step in range(steps):
+        b = batch("llama", dist.get_rank(), step)
+        with Collectives() as ours:
+            loss, grads = fs.value_and_grad(loss_fn)(trained, b)
+        if step == 0:
+            with Collectives() as c:
+                loss_of("llama", theirs, b).backward()
+            their_grads = {k: p.grad for k, p in theirs.named_parameters() if p.requires_grad}
+            fs.testing.assert_close(grads, their_grads, atol=0, rtol=0)
+            assert gathered_bytes(ours, 2) == gathered_bytes(c, 2), (ours.sent, c.sent)
+        trained, state = fs.optim.step(opt, trained, grads, state)
+        fs.testing.assert_close(loss, reference_step("llama", ref, b))
+        ref_opt.step()
+        ref_opt.zero_grad()
+    ours = {k: v.full_tensor() for k, v in trained.items()}
+    fs.testing.assert_close(ours, {k: p.detach() for k, p in ref.named_parameters()
+                                   if p.requires_grad}, atol=LR / 100, rtol=0)  # fmt: skip
+
+
+def test_qlora_fine_tune_of_llama(world2):
+    pytest.importorskip("torchao")
+    on_ranks(world2, qlora_fine_tune)

@@ -46,10 +46,11 @@ import torch.distributed as dist
 from .._runtime._compile import untraced
 from .._trees import _parallel
 from .._trees._spec import ShardSpec
+from .._trees._subclass import is_subclass
 from . import _liveness, _store, _updates
 from ._updates import by_rank, differences, taken
 
-Leaf = tuple[str, ShardSpec, torch.dtype, bool]
+Leaf = tuple[str, ShardSpec, "torch.dtype | str", bool]
 _DIGESTS: collections.OrderedDict[tuple, int] = collections.OrderedDict()
 _REMEMBERED = 1024  # structures whose hash is cached, per process
 _ERROR, _GONE, _COLLECTIVE = b"E", _store.GONE, _store.COLLECTIVE
@@ -138,8 +139,12 @@ def each_rank(what: str, value: str) -> list[str]:
 
 def leaf(path: str, spec: ShardSpec, local: torch.Tensor) -> Leaf:
     """The entry of a shard whose gradient flows back through the collectives if it requires
-    grad (see [Note: frozen leaves] in ``_autodiff``)."""
-    return (path, spec, local.dtype, local.requires_grad)
+    grad (see [Note: frozen leaves] in ``_autodiff``); a tensor subclass's (a low-precision
+    weight, gathered as its class says: see ``_packed``) names its class with its dtype."""
+    dtype: torch.dtype | str = local.dtype
+    if type(local) is not torch.Tensor and is_subclass(local):
+        dtype = f"{type(local).__qualname__} of {local.dtype}"
+    return (path, spec, dtype, local.requires_grad)
 
 
 def cached_digest(fn: str, leaves: Sequence[Leaf], options: tuple) -> int:

@@ -77,7 +77,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .._communication import _counts, _flat, _grad_layout, _liveness
+from .._communication import _counts, _flat, _grad_layout, _liveness, _packed
 from .._communication._collectives import Notify
 from .._communication._consensus import cached_digest, failing, leaf
 from .._plans._plan import Plan, Step, after_forward, post_forward_ranks
@@ -85,7 +85,7 @@ from .._runtime import _compile, _sink
 from .._runtime._compat import storage_key
 from .._runtime._mode import Mode
 from .._runtime._profiling import span
-from .._trees import _parallel
+from .._trees import _parallel, _subclass
 from .._trees._activation_checkpoint import bind, check_not_reentrant, current_frame, reparametrized
 from .._trees._deferred import Deferred
 from .._trees._extract import Walk, aliases, call, check_not_wrapped, slots
@@ -279,7 +279,7 @@ def _static(plan: Plan, names, locals_, specs, opts: _flat.Options, mode: Mode, 
     key = None
     if not mode.traced:
         leaves = tuple(
-            (s, t.dtype, t.requires_grad, t.shape, t.device)
+            (s, type(t), t.dtype, t.requires_grad, t.shape, t.device)
             for s, t in zip(specs, locals_, strict=True)
         )
         meshes = tuple(dict.fromkeys(id(s.mesh) for s in specs))
@@ -310,7 +310,8 @@ def _static(plan: Plan, names, locals_, specs, opts: _flat.Options, mode: Mode, 
         )
         dtypes = [t.dtype for t in locals_[at : at + n]]
         post = post_forward_ranks(g.reshard_after_forward)
-        lowered = _flat.lower(dtypes, layouts[at : at + n], options, mode, post)
+        speaks = _subclass.speaking(locals_[at : at + n])  # see [Note: FSDP2's all-gather ...]
+        lowered = _flat.lower(dtypes, layouts[at : at + n], options, mode, post, speaks)
         groups[g.name] = _GroupStatic(layouts[at : at + n], tuple(specs[at : at + n]), lowered)
         at += n
     frozen = frozenset(g.name for g in plan.groups if not any(names_grad[p] for p in g.params))
@@ -472,7 +473,8 @@ class _Group:
         shards themselves (a mesh of one rank gathers nothing, see ``_flat``)."""
         shards = {storage_key(t) for t in self.locals} if self.lowered.aliases else ()
         seen = {}
-        for t in self.raw:
+        # a full tensor rebuilt by FSDP2's hooks holds the storage of its gathered outputs
+        for t in _packed.owners(self.raw) if self.lowered.packed else self.raw:
             s, key = t.untyped_storage(), storage_key(t)
             if key not in shards:
                 seen.setdefault(key, (s, s.nbytes()))
@@ -507,7 +509,8 @@ class _Group:
         """Keys of the full tensors for ``_Run.owner``: their storages' addresses; traced, the
         ids of the tensors they view (see [Note: a plan under torch.compile])."""
         if self.mode is Mode.TRACED:
-            return [id(_compile.root(t)) for t in self.raw or ()] if self.resident else []
+            raw = _packed.owners(self.raw) if self.lowered.packed else self.raw or ()
+            return [id(_compile.root(t)) for t in raw] if self.resident else []
         return [storage_key(s) for s, _ in self.storages if s.nbytes()]
 
 
@@ -529,6 +532,7 @@ class _Run:
         locals_, specs = as_locals(names, [sharded[p] for p in names], "schedule")
         static, counts = _static(plan, names, locals_, specs, opts, mode, count)
         self.shards_only = static.shards_only
+        self.packed = any(g.lowered.packed for g in static.groups.values())
         at = 0
         for g in plan.groups:
             n = len(g.params)
@@ -738,6 +742,10 @@ class _Run:
         traced = self.mode is Mode.TRACED
         key = id(_compile.root(local)) if traced else _storage(local)
         group = self.owner.get(key)
+        if group is None and self.packed and _subclass.is_subclass(local):  # see _packed
+            inner = _subclass.inner(local)
+            keys = (id(_compile.root(x)) for x in inner) if traced else map(_storage, inner)
+            group = next((self.owner[k] for k in keys if k in self.owner), None)
         return t if group is None else _Saved(group, t, self.groups[group].raw)
 
     def _unpack(self, saved):
@@ -745,6 +753,8 @@ class _Run:
             self._use(self.backward, saved.group)
             state = self.groups[saved.group]
             if self.mode is Mode.TRACED and state.raw is not saved.raw:  # gathered again since
+                if _subclass.is_subclass(saved.tensor):  # rebuilt by FSDP2's hooks
+                    return _packed.regathered(saved.tensor, saved.raw, state.raw)
                 return _compile.regathered(saved.tensor, saved.raw, state.raw)
             return saved.tensor
         return saved
