@@ -54,6 +54,7 @@ _DIGESTS: collections.OrderedDict[tuple, int] = collections.OrderedDict()
 _REMEMBERED = 1024  # structures whose hash is cached, per process
 _ERROR, _GONE, _COLLECTIVE = b"E", _store.GONE, _store.COLLECTIVE
 _exchange = _store.exchange
+_DEFERRED: list[Exception] = []  # see defer
 
 
 def agree(
@@ -79,6 +80,8 @@ def agree(
         ``error`` (on this rank), or the same type naming the rank that failed (on the others).
         RuntimeError: a rank is gone, or the store cannot be reached.
     """
+    if error is None and _DEFERRED:
+        error = _DEFERRED.pop()
     if not dist.is_initialized() or dist.get_world_size() == 1:
         if error is not None:
             raise error
@@ -111,6 +114,15 @@ def _agree(fn, leaves, options, error, digest, count) -> list[float | None]:
             described = _exchange("entries", pickle.dumps(entries))
         raise ValueError(_message(fn, [pickle.loads(b) for b in described]))
     return [float(c) if c else None for c in counts]
+
+
+def defer(error: Exception) -> None:
+    """Raise ``error`` at this rank's next :func:`agree` -- so on every rank, before any
+    collective of that call -- for an error found where raising at once would leave the other
+    ranks in a collective without this one (see [Note: the collectives follow the plan] in
+    ``_execution/_deviation``). Only the first error is kept until then."""
+    if not _DEFERRED:
+        _DEFERRED.append(error)
 
 
 @contextlib.contextmanager
