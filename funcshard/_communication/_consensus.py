@@ -19,6 +19,11 @@ or its error -- and reads everyone's:
 - hashes differ: every rank publishes its description, reads the others', and raises the same
   ``ValueError`` naming the first differing leaf.
 
+An error a rank finds where raising would leave the others in a collective without it (a
+scheduled forward that used a group where the plan had already freed it: see [Note: the
+collectives follow the plan] in ``_execution/_deviation``) is kept (:func:`defer`) and published
+as that rank's error at its next call's check: every rank raises it there.
+
 The exchange goes through the process group's key-value store, not a collective: it adds
 nothing to the sequence of collectives (whose counts FSDP2 users compare, and which must stay
 identical on every rank). Its cost (three store round trips per call; BENCHMARKS.md) is paid

@@ -26,18 +26,30 @@ branch, a bug:
   something else there. The rank computes with zeros instead (detached from the group, whose
   saved tensors are not touched), finishes the step with the plan's collectives, warns, and
   raises a ``RuntimeError`` naming the group and the fix at its next funcshard call, where the
-  per-call check (``_consensus.defer``) raises it on every rank: the ranks stay in step. Under
-  ``torch.compile`` and while a CUDA graph is captured (recorded once, replayed without this
-  code) it raises at once. A group that communicates nothing (a mesh of one rank) is still made
-  resident on demand, with a warning.
+  per-call check (``_consensus.defer``) raises it on every rank: the ranks stay in step. A group
+  that communicates nothing (a mesh of one rank) is still gathered on demand, with a warning;
+  so is any group under ``torch.compile`` and while a CUDA graph is captured: those record the
+  step once and replay it without this code, so no later call could raise, and every rank's
+  recorded graph must take the same path anyway.
 * a use outside the plan's order of a group that is still unsharded (``reshard_after_forward=
-  False``, the root) needs no collective and is exact; its saved tensors do not move the
-  backward cursor, which keeps the plan's backward order.
+  False``, the root) needs no collective and is exact. So is a use of such a group that the
+  plan runs only after other runs (T5's shared embedding, used by the decoder, in a plan of the
+  module order that runs it first and last): it is served as it is, without moving the cursor,
+  so that the runs in between are not taken as skipped. The saved tensors of such uses do not
+  move the backward cursor, which keeps the plan's backward order.
 
-What stays unchecked without debug mode (``FUNCSHARD_DEBUG=1``): a group used by the forward
-whose output does not reach the loss on some ranks only, when its backward is the last one of
-the step; collectives of one's own (``dist.all_reduce``) or ``fs.unshard`` calls made on some
-ranks only.
+* a group the forward used whose output does not reach this rank's loss: autograd never runs
+  its gather's backward, so when the backward cursor passes the group's last run, its
+  reduce-scatter is issued with zeros there (``_orphan``). If the reduced gradient is not zero,
+  another rank's loss did depend on the group and this rank's share of its shard's gradient is
+  lost: an error on every rank at the next call, as above.
+
+Not kept in step (debug mode, ``FUNCSHARD_DEBUG=1``, names them): an output dropped in the group
+whose backward comes last, or inside ``torch.func`` or anomaly mode (no funcshard code runs in
+their backward); ranks whose forwards take different paths under ``torch.compile`` (each rank's
+graph records its own path: a skipped run gets no zero there, and the compiler drops a gather
+nothing reads); collectives of one's own (``dist.all_reduce``) or ``fs.unshard`` calls made on
+some ranks only.
 """
 
 from __future__ import annotations

@@ -55,10 +55,10 @@ hold both at once, at backward's memory peak (``benchmarks/memory.py`` measured 
 more than FSDP2's peak on 1024x4096 MLP blocks). The copy itself is the same either way.
 
 [Note: out-of-plan use]
-A group used when the plan does not expect it is never wrong: if its tensors are unsharded it
-is simply used; otherwise it is gathered on demand (synchronously) with a ``UserWarning`` naming
-the expected and the actual group. Runs the model skips are stepped over (their gathers still
-happen, so every rank issues the same collectives).
+Every rank issues the plan's collectives in the plan's order, whatever the module's forward does:
+runs it skips are gathered and reduce-scattered (with zero gradients, exactly), and a use the
+plan cannot serve without a gather of its own is not gathered on demand: see [Note: the
+collectives follow the plan] in ``_deviation``.
 """
 
 from __future__ import annotations
@@ -632,11 +632,15 @@ class _Run:
     # ---- moving through the plan ---------------------------------------------------------
     def _use(self, cursor: _program.Cursor, group: str) -> bool:
         """Move ``cursor`` to ``group``'s next run and make it usable; ``False`` (nothing done)
-        if the plan has no run of ``group`` ahead."""
+        if the plan has no run of ``group`` ahead, or -- in forward -- ``group`` is unsharded
+        and its next run is not the next one (an early use, not a skip: see [Note: the
+        collectives follow the plan] in ``_deviation``)."""
         if cursor.current() != group:
             j = cursor.find(group)
             if j is None:
                 return False
+            if j > cursor.run + 1 and cursor is self.forward and self.groups[group].resident:
+                return False  # needs no gather: used early, not a skip (see _deviation)
             self._advance(cursor, j)
             following = cursor.phase.arm[j]
             if following is not None and torch.is_grad_enabled():
@@ -677,13 +681,15 @@ class _Run:
             self._make_resident(state)
             return True
         cursor = self.forward if self.in_forward else self.backward
-        if state.lowered.local:  # no collective: gathered on demand
+        if state.lowered.local or self.mode.traced or self.mode.captured:
+            why = "it communicates nothing" if state.lowered.local else (
+                "recorded once: every rank's graph must take the same path")  # fmt: skip
             warnings.warn(
                 f"funcshard: rank {dist.get_rank()}: group {group!r} used out of the planned "
                 f"{cursor.phase.compute} order (planned: {cursor.current()!r}); gathering it on "
-                "demand (it communicates nothing). Record the plan with example inputs like "
-                "this call's (fs.plan(..., example_args=(...), example_kwargs={...})), or pass "
-                "order= to fs.plan.",
+                f"demand ({why}). Record the plan with example inputs like this call's "
+                "(fs.plan(..., example_args=(...), example_kwargs={...})), or pass order= to "
+                "fs.plan.",
                 stacklevel=5,
             )
             self._make_resident(state)
@@ -692,8 +698,6 @@ class _Run:
             dist.get_rank(), group, cursor.phase.compute, cursor.current(), cursor.phase.runs,
             _deviation.caller(),
         )  # fmt: skip
-        if self.mode.traced or self.mode.captured:  # recorded once: no later call checks it
-            raise error
         if group not in self.deviated:
             self.deviated.add(group)
             warnings.warn(f"funcshard: {error}", stacklevel=5)
@@ -765,7 +769,8 @@ class _Run:
         """The forward skipped a run of ``group``: see [Note: the collectives follow the plan]
         in ``_deviation``."""
         state = self.groups[group]
-        if not (torch.is_grad_enabled() and state.resident and state.local_fulls):
+        backward = torch.is_grad_enabled() and not self.mode.traced  # traced: see the Note
+        if not (backward and state.resident and state.local_fulls):
             return
         fulls = [t for t in state.local_fulls if t.requires_grad]
         if fulls:
