@@ -153,6 +153,19 @@ def out_of_plan(
     )
 
 
+def reduce_zeros(fulls: Sequence[torch.Tensor], shards: Sequence[torch.Tensor]) -> bool:
+    """Run the backward of the gather from ``shards`` to ``fulls`` with zero gradients (its
+    reduce-scatter, where autograd would not reach it); whether the reduced gradient of a shard
+    is not zero (another rank's loss depended on ``fulls``). Reads the result on the host."""
+    fulls = [t for t in fulls if t.requires_grad]
+    shards = [t for t in shards if t.requires_grad]
+    if not (fulls and shards):
+        return False
+    zeros = [torch.zeros_like(t) for t in fulls]
+    grads = torch.autograd.grad(fulls, shards, zeros, allow_unused=True)
+    return any(g is not None and bool(g.ne(0).any()) for g in grads)
+
+
 def unreached(rank: int, group: str) -> RuntimeError:
     """The error of a group whose output did not reach this rank's loss, but another's."""
     return RuntimeError(

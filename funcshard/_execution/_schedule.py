@@ -813,23 +813,15 @@ class _Run:
         reduced gradient is not zero another rank's loss did depend on it, and the gradient
         of this rank's shard is lost: an error on every rank at the next call."""
         state = self.groups[group]
-        if group not in self.pending_backward or not state.post_backward:
-            return
-        fulls = [t for t in state.local_fulls if t.requires_grad]
-        inputs = [t for t in state.locals if t.requires_grad]
-        if not (fulls and inputs):
-            return
-        zeros = [torch.zeros_like(t) for t in fulls]
-        grads = torch.autograd.grad(fulls, inputs, zeros, allow_unused=True)
-        if any(g is not None and bool(g.ne(0).any()) for g in grads):
+        pending = group in self.pending_backward and state.post_backward
+        if pending and _deviation.reduce_zeros(state.local_fulls, state.locals):
             defer(_deviation.unreached(dist.get_rank(), group))
 
     def _zeros(self, state: _Group, i: int) -> torch.Tensor:
         """Zeros for the ``i``-th full tensor of ``state``, detached from it."""
         if state.fulls is not None:
             return torch.zeros_like(state.fulls[i])
-        fqn = state.layouts[i].path
-        meta = self.metadata(fqn)
+        meta = self.metadata(state.layouts[i].path)
         zeros = torch.zeros(state.layouts[i].levels[0], dtype=meta["dtype"], device=meta["device"])
         return _parallel.wrap([zeros], [state.specs[i]])[0]
 
