@@ -194,7 +194,7 @@ def _failure(fn: str, rank: int, status: bytes) -> Exception:
         return RuntimeError(
             f"{fn}: rank {rank} is one collective behind or ahead (it is about to issue "
             f"{status[1:].decode(errors='replace')}) while this rank checks the tree of a new "
-            "call: the ranks' forwards took different paths (FUNCSHARD_DEBUG found it; see "
+            "call: the ranks issued different collectives (FUNCSHARD_DEBUG found it; see "
             "docs/failures.md, control flow that differs between ranks)."
         )
     if status[:1] == _GONE:

@@ -69,9 +69,10 @@ def check(op: str, group: dist.ProcessGroup, label: str, x: torch.Tensor) -> Non
     doing = "; ".join(f"rank {r}: {v}" for r, v in zip(ranks, everyone, strict=True))
     raise RuntimeError(
         f"funcshard (FUNCSHARD_DEBUG): the ranks of process group {ranks} are about to issue "
-        f"different collectives ({doing}). Nothing was issued. Their forwards took different "
-        "paths (data-dependent control flow, a block skipped on one rank) or they called "
-        "funcshard differently; see docs/failures.md, control flow that differs between ranks."
+        f"different collectives ({doing}). Nothing was issued. A collective some ranks issue and "
+        "others do not (an fs.unshard on some ranks only; a forward's path the schedule cannot "
+        "keep in step, such as an output dropped inside torch.func), or funcshard called "
+        "differently; see docs/failures.md, control flow that differs between ranks."
     )
 
 
