@@ -54,12 +54,12 @@ class Net(nn.Module):
         return self.head(h)
 
 
-def _setup(**plan_options):
+def _setup(mesh_shape=None, **plan_options):
     torch.manual_seed(0)
     net = Net()
     reference = copy.deepcopy(net)
     params, _ = fs.extract(net)
-    sharded = fs.shard(params, mesh(dist.get_world_size()))
+    sharded = fs.shard(params, mesh(*(mesh_shape or (dist.get_world_size(),))))
     net.to("meta")
     apply = fs.schedule(net, fs.plan(net, fs.policy.by_type(Block), **plan_options))
     return reference, sharded, apply
@@ -103,20 +103,20 @@ def _grads(mode: str, apply, sharded, x, path) -> dict[str, torch.Tensor]:
     return {k: g.full_tensor() for k, g in grads.items()}
 
 
-# rank 1's path, rank 0 running every block
+# the last rank's path, the others running every block
 SKIPS = {"a middle block": (0, 2, 3), "the last": (0, 1, 2), "the first": (1, 2, 3), "all": ()}
 MODES = ("value_and_grad", "backward", "torch.func")
 
 
-def skipping(plan_options: dict) -> list[tuple[str, str, float]]:
-    """For each skip of rank 1's and each way to differentiate, the largest difference from
-    the unsharded model's gradients; and the forward under no_grad's."""
-    rank = dist.get_rank()
-    reference, sharded, apply = _setup(**plan_options)
-    xs = [_x(r) for r in range(2)]
+def skipping(plan_options: dict, mesh_shape=None) -> list[tuple[str, str, float]]:
+    """For each skip of the last rank's and each way to differentiate, the largest difference
+    from the unsharded model's gradients; and the forward under no_grad's."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference, sharded, apply = _setup(mesh_shape, **plan_options)
+    xs = [_x(r) for r in range(world)]
     out = []
     for name, path in SKIPS.items():
-        paths = [None, path]
+        paths = [None] * (world - 1) + [path]
         expected = _reference(reference, xs, paths)
         for mode in MODES:
             grads = _grads(mode, apply, sharded, xs[rank], paths[rank])
@@ -139,6 +139,13 @@ PLANS = {
 @pytest.mark.parametrize("plan", PLANS)
 def test_a_rank_that_skips_blocks_gets_the_unsharded_models_gradients(world2, plan):
     for results in world2.run(skipping, PLANS[plan]):
+        for name, mode, err in results:
+            assert err < 1e-6, (name, mode, err)
+
+
+def test_a_rank_that_skips_blocks_on_an_hsdp_mesh(world4):
+    """2 x 2 (replicate, shard): the reduce-scatter of zeros is all-reduced over the replicas."""
+    for results in world4.run(skipping, {}, (2, 2)):
         for name, mode, err in results:
             assert err < 1e-6, (name, mode, err)
 
