@@ -19,7 +19,10 @@ branch, a bug:
   backward would have been; its backward moves the backward cursor to the group (the re-gather
   and prefetch a saved tensor of the group asks for), then the gather's backward follows: the
   plan's order. The gradients are exact: this rank's loss does not depend on the skipped run,
-  and the other ranks' gradients are reduced with its zeros.
+  and the other ranks' gradients are reduced with its zeros. Likewise a group whose backward
+  unpacks none of its full tensors (the first block, whose input needs no gradient, saves only
+  that input) moves the backward cursor to its last run when its gradients are complete,
+  before its reduce-scatter: the steps a rank that did unpack them ran there.
 * a use the plan cannot serve without a collective of its own -- a group used again after the
   plan freed it (twice where the plan runs it once, or after a later group), or a group the
   plan never runs -- is not gathered on demand: the other ranks, following the plan, issue
@@ -37,7 +40,6 @@ branch, a bug:
   module order that runs it first and last): it is served as it is, without moving the cursor,
   so that the runs in between are not taken as skipped. The saved tensors of such uses do not
   move the backward cursor, which keeps the plan's backward order.
-
 * a group the forward used whose output does not reach this rank's loss: autograd never runs
   its gather's backward, so when the backward cursor passes the group's last run, its
   reduce-scatter is issued with zeros there (``_orphan``). If the reduced gradient is not zero,
