@@ -71,7 +71,7 @@ def check(op: str, group: dist.ProcessGroup, label: str, x: torch.Tensor) -> Non
         f"funcshard (FUNCSHARD_DEBUG): the ranks of process group {ranks} are about to issue "
         f"different collectives ({doing}). Nothing was issued. A collective some ranks issue and "
         "others do not (an fs.unshard on some ranks only; a forward's path the schedule cannot "
-        "keep in step, such as an output dropped inside torch.func), or funcshard called "
+        "keep in step, such as a block whose output some ranks drop), or funcshard called "
         "differently; see docs/failures.md, control flow that differs between ranks."
     )
 

@@ -40,18 +40,14 @@ branch, a bug:
   module order that runs it first and last): it is served as it is, without moving the cursor,
   so that the runs in between are not taken as skipped. The saved tensors of such uses do not
   move the backward cursor, which keeps the plan's backward order.
-* a group the forward used whose output does not reach this rank's loss: autograd never runs
-  its gather's backward, so when the backward cursor passes the group's last run, its
-  reduce-scatter is issued with zeros there (``_orphan``). If the reduced gradient is not zero,
-  another rank's loss did depend on the group and this rank's share of its shard's gradient is
-  lost: an error on every rank at the next call, as above.
 
-Not kept in step (debug mode, ``FUNCSHARD_DEBUG=1``, names them): an output dropped in the group
-whose backward comes last, or inside ``torch.func`` or anomaly mode (no funcshard code runs in
-their backward); ranks whose forwards take different paths under ``torch.compile`` (each rank's
-graph records its own path: a skipped run gets no zero there, and the compiler drops a gather
-nothing reads); collectives of one's own (``dist.all_reduce``) or ``fs.unshard`` calls made on
-some ranks only.
+Not kept in step (debug mode, ``FUNCSHARD_DEBUG=1``, names them): a block that the forward runs
+on every rank but whose output some ranks drop (their autograd never reaches its gather's
+backward, and nothing tells them in time: the backward cursor also passes a group whose
+backward autograd runs later, in a legitimate order); ranks whose forwards take different paths
+under ``torch.compile`` (each rank's graph records its own path: a skipped run gets no zero
+there, and the compiler drops a gather nothing reads); collectives of one's own
+(``dist.all_reduce``) or ``fs.unshard`` calls made on some ranks only.
 """
 
 from __future__ import annotations
@@ -148,35 +144,9 @@ def out_of_plan(
         "and finished that step with the plan's collectives: its values and gradients of that "
         "step are wrong. Raised on every rank at the next funcshard call. Make the plan's "
         "order the forward's: record it with example inputs like the call's (fs.plan(..., "
-        "example_args=..., example_kwargs=...)) or pass order=; if the ranks' forwards take "
+        "example_args=(...), example_kwargs={...})), or pass order= to fs.plan; if the ranks' "
+        "forwards take "
         "different paths (data-dependent control flow), use each group only where the plan "
         "runs it (skipping a run is fine), or give the group reshard_after_forward=False (see "
         "docs/failures.md, control flow that differs between ranks)."
-    )
-
-
-def reduce_zeros(fulls: Sequence[torch.Tensor], shards: Sequence[torch.Tensor]) -> bool:
-    """Run the backward of the gather from ``shards`` to ``fulls`` with zero gradients (its
-    reduce-scatter, where autograd would not reach it); whether the reduced gradient of a shard
-    is not zero (another rank's loss depended on ``fulls``). Reads the result on the host."""
-    fulls = [t for t in fulls if t.requires_grad]
-    shards = [t for t in shards if t.requires_grad]
-    if not (fulls and shards):
-        return False
-    zeros = [torch.zeros_like(t) for t in fulls]
-    grads = torch.autograd.grad(fulls, shards, zeros, allow_unused=True)
-    return any(g is not None and bool(g.ne(0).any()) for g in grads)
-
-
-def unreached(rank: int, group: str) -> RuntimeError:
-    """The error of a group whose output did not reach this rank's loss, but another's."""
-    return RuntimeError(
-        f"schedule: rank {rank}'s loss did not depend on group {group!r}, which its forward "
-        "used (its output was computed, then not used on this rank), while another rank's loss "
-        "did. This rank's reduce-scatter of the group's gradients was issued with zeros where "
-        "the plan has it, so the ranks stayed in step, but the reduced gradient of its own "
-        "shard was lost: its gradients of that step are wrong. Raised on every rank at the "
-        "next funcshard call. Skip the group's call on the ranks that do not use its output (a "
-        "skipped run is reduced with zeros and its gradients are exact), or keep the output in "
-        "the loss on every rank (multiplied by zero)."
     )

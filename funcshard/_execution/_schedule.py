@@ -395,7 +395,6 @@ class _Group:
         self.raw: list[torch.Tensor] | None = None  # gathered tensors (storage owners)
         self.fulls: list[torch.Tensor] | None = None  # what the module computes with
         self.local_fulls: list[torch.Tensor] | None = None  # the same, before wrap (FSDP x TP)
-        self.post_backward = False  # its gradients run the post-backward callback
         self.storages: list[tuple[torch.UntypedStorage, int]] = []
         # per bucket, the slice kept after forward (see [Note: reshard to a smaller mesh])
         self.kept: list[torch.Tensor | None] | None = None
@@ -455,7 +454,6 @@ class _Group:
                 self.storages = self._own_storages() if self.mode.eager else []
                 # the post-backward callback frees: nothing to free, no node
                 notify = notify if self.storages and not notified else None
-                self.post_backward = notified or notify is not None
                 fulls = _grad_layout.capture(self.leaves, self.raw, self.opts)  # ZeRO-2
                 self.local_fulls = list(Notify.apply(notify, *fulls)) if notify else fulls
                 self.fulls = _parallel.wrap(self.local_fulls, self.specs)
@@ -800,22 +798,8 @@ class _Run:
             for step in steps:
                 if step.op != "wait" or step.group != own:
                     self._execute(step)
-            if k < j:
-                if cursor is self.forward:
-                    self._skip(group)
-                elif cursor.phase.last[group] == k:
-                    self._orphan(group)
-
-    def _orphan(self, group: str) -> None:
-        """The backward passed the last run of ``group`` without its gradients: its forward
-        used it, but its output did not reach this rank's loss. Reduce-scatter zeros for it
-        here, where the plan (and another rank's autograd) has its reduce-scatter; if the
-        reduced gradient is not zero another rank's loss did depend on it, and the gradient
-        of this rank's shard is lost: an error on every rank at the next call."""
-        state = self.groups[group]
-        pending = group in self.pending_backward and state.post_backward
-        if pending and _deviation.reduce_zeros(state.local_fulls, state.locals):
-            defer(_deviation.unreached(dist.get_rank(), group))
+            if k < j and cursor is self.forward:
+                self._skip(group)
 
     def _zeros(self, state: _Group, i: int) -> torch.Tensor:
         """Zeros for the ``i``-th full tensor of ``state``, detached from it."""
