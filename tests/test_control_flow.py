@@ -318,7 +318,7 @@ dist.destroy_process_group()
 def test_a_job_whose_ranks_take_different_paths_ends_without_an_abort(tmp_path, case):
     """Two torchrun ranks, rank 1 skipping a block (the job finishes) or using one twice (every
     rank exits with the error, code 1): never gloo's abort (``terminate called after throwing an
-    instance of 'gloo::EnforceNotMet'``, signal 6), which a mismatched gather used to be."""
+    instance of 'gloo::EnforceNotMet'``, signal 6), which is what a mismatched gather gives."""
     script = tmp_path / "job.py"
     script.write_text(_JOB)
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
