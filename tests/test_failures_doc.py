@@ -116,6 +116,8 @@ INDIRECT = {
         ],
     ),
     "_plans/_plan.py::_recompute_names": ("ValueError", ["cannot recompute its forward"]),
+    # the deferred error's text (_deviation.out_of_plan), warned at once
+    "_execution/_schedule.py::_Run._outside": ("UserWarning", ["last run of it had passed"]),
     "_plans/_plan.py::_validate": (
         "ValueError",
         ["cannot recompute its forward"],

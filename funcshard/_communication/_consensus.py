@@ -19,6 +19,11 @@ or its error -- and reads everyone's:
 - hashes differ: every rank publishes its description, reads the others', and raises the same
   ``ValueError`` naming the first differing leaf.
 
+An error a rank finds where raising would leave the others in a collective without it (a
+scheduled forward that used a group where the plan had already freed it: see [Note: the
+collectives follow the plan] in ``_execution/_deviation``) is kept (:func:`defer`) and published
+as that rank's error at its next call's check: every rank raises it there.
+
 The exchange goes through the process group's key-value store, not a collective: it adds
 nothing to the sequence of collectives (whose counts FSDP2 users compare, and which must stay
 identical on every rank). Its cost (three store round trips per call; BENCHMARKS.md) is paid
@@ -55,6 +60,7 @@ _DIGESTS: collections.OrderedDict[tuple, int] = collections.OrderedDict()
 _REMEMBERED = 1024  # structures whose hash is cached, per process
 _ERROR, _GONE, _COLLECTIVE = b"E", _store.GONE, _store.COLLECTIVE
 _exchange = _store.exchange
+_DEFERRED: list[Exception] = []  # see defer
 
 
 def agree(
@@ -80,6 +86,8 @@ def agree(
         ``error`` (on this rank), or the same type naming the rank that failed (on the others).
         RuntimeError: a rank is gone, or the store cannot be reached.
     """
+    if error is None and _DEFERRED:
+        error = _DEFERRED.pop()
     if not dist.is_initialized() or dist.get_world_size() == 1:
         if error is not None:
             raise error
@@ -112,6 +120,15 @@ def _agree(fn, leaves, options, error, digest, count) -> list[float | None]:
             described = _exchange("entries", pickle.dumps(entries))
         raise ValueError(_message(fn, [pickle.loads(b) for b in described]))
     return [float(c) if c else None for c in counts]
+
+
+def defer(error: Exception) -> None:
+    """Raise ``error`` at this rank's next :func:`agree` -- so on every rank, before any
+    collective of that call -- for an error found where raising at once would leave the other
+    ranks in a collective without this one (see [Note: the collectives follow the plan] in
+    ``_execution/_deviation``). Only the first error is kept until then."""
+    if not _DEFERRED:
+        _DEFERRED.append(error)
 
 
 @contextlib.contextmanager
@@ -182,7 +199,7 @@ def _failure(fn: str, rank: int, status: bytes) -> Exception:
         return RuntimeError(
             f"{fn}: rank {rank} is one collective behind or ahead (it is about to issue "
             f"{status[1:].decode(errors='replace')}) while this rank checks the tree of a new "
-            "call: the ranks' forwards took different paths (FUNCSHARD_DEBUG found it; see "
+            "call: the ranks issued different collectives (FUNCSHARD_DEBUG found it; see "
             "docs/failures.md, control flow that differs between ranks)."
         )
     if status[:1] == _GONE:  # the clause names the rank; see [Note: how a rank ended]
