@@ -5,10 +5,11 @@ collectives whatever its forward does (see [Note: the collectives follow the pla
 A rank whose forward skips blocks (data-dependent control flow, a layer dropped on that rank)
 gets the gradients of the unsharded model -- every rank's own path, averaged -- under
 ``value_and_grad``, ``.backward()`` and ``torch.func.grad``, with every plan shape, and trains
-as the unsharded model does. A use the plan cannot serve without a gather of its own (a block
-used twice where the plan runs it once, blocks used out of order) is an error naming the group
-and the rank on every rank at the next call: no process aborts, and the ranks are in step
-afterwards."""
+as the unsharded model does, where the plan allows it (``per_rank_skips=True``); by default
+ranks that skipped different runs raise on every rank at the next call. A use the plan
+cannot serve without a gather of its own (a block used twice where the plan runs it once,
+blocks used out of order) is an error naming the group and the rank on every rank at the next
+call: no process aborts, and the ranks are in step afterwards."""
 
 from __future__ import annotations
 
@@ -112,7 +113,7 @@ def skipping(plan_options: dict, mesh_shape=None) -> list[tuple[str, str, float]
     """For each skip of the last rank's and each way to differentiate, the largest difference
     from the unsharded model's gradients; and the forward under no_grad's."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    reference, sharded, apply = _setup(mesh_shape, **plan_options)
+    reference, sharded, apply = _setup(mesh_shape, per_rank_skips=True, **plan_options)
     xs = [_x(r) for r in range(world)]
     out = []
     for name, path in SKIPS.items():
@@ -160,7 +161,7 @@ def layer_drop(steps: int):
     """Training where each rank drops each block with probability 1/2, drawn on that rank: the
     paths taken and the parameters after each step."""
     rank = dist.get_rank()
-    _, sharded, apply = _setup()
+    _, sharded, apply = _setup(per_rank_skips=True)
     draw = torch.Generator().manual_seed(7 + rank)
     opt = fs.optim.adamw(1e-2)
     state = opt.init(sharded)
@@ -191,18 +192,23 @@ def test_layer_drop_on_each_rank_trains_as_the_unsharded_model(world2):
             torch.testing.assert_close(params1[step][k], p.detach(), atol=1e-6, rtol=1e-5)
 
 
-def deviating(paths, reshard=True) -> dict:
-    """Rank 1 runs the blocks along ``paths[1]``, rank 0 along ``paths[0]``: what each call of
-    three gives (the deviating one, the next, the one after, both with every block) and the
+def deviating(paths, reshard=True, grad=True, **plan_options) -> dict:
+    """Rank 1 runs the blocks along ``paths[1]``, rank 0 along ``paths[0]`` (under ``grad``, else
+    a forward under no_grad): what each call of three gives (the deviating one, the next, the
+    one after, both with every block) and the
     warnings of the first; the last call's gradients against the unsharded model's."""
     rank = dist.get_rank()
-    reference, sharded, apply = _setup(reshard_after_forward=reshard)
+    reference, sharded, apply = _setup(reshard_after_forward=reshard, **plan_options)
     x = _x(rank)
     found = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            fs.value_and_grad(lambda p: _loss(apply(p, x, paths[rank])))(sharded)
+            if grad:
+                fs.value_and_grad(lambda p: _loss(apply(p, x, paths[rank])))(sharded)
+            else:
+                with torch.no_grad():
+                    apply(sharded, x, paths[rank])
             found["deviating"] = None
         except RuntimeError as e:
             found["deviating"] = str(e)
@@ -243,6 +249,37 @@ def test_a_block_the_plan_cannot_serve_is_an_error_on_every_rank_without_an_abor
         "step)"
     )
     assert found0["warnings"] == [] and found1["warnings"] == [f"funcshard: {own}"]
+
+
+@pytest.mark.parametrize("mode", ["grad", "no_grad"])
+def test_ranks_that_skip_different_blocks_raise_on_every_rank_at_the_next_call(world2, mode):
+    """Rank 1 skips block 2: its step finishes on every rank (the plan's collectives, zeros
+    reduced for the skipped run), the next call raises the same error on every rank, naming the
+    group, the rank and the fix, and the ranks are in step afterwards. A forward under no_grad
+    (evaluation, an early exit) reduces nothing and is no error."""
+    found0, found1 = world2.run(deviating, [None, (0, 1, 3)], grad=mode == "grad")
+    for found in (found0, found1):
+        assert found["deviating"] is None and found["warnings"] == []
+        assert found["after"] < 1e-6
+    if mode == "no_grad":
+        assert found0["next"] is None and found1["next"] is None
+        return
+    assert found0["next"] == found1["next"]
+    message = found0["next"]
+    assert message.startswith("schedule: the ranks' forwards skipped different runs"), message
+    assert "rank 0: none; rank 1: 'blocks.2'" in message
+    assert "fs.plan(..., per_rank_skips=True)" in message
+
+
+@pytest.mark.parametrize(
+    ("paths", "options"),
+    [([(0, 1, 3), (0, 1, 3)], {}), ([None, (0, 1, 3)], {"per_rank_skips": True})],
+    ids=["every rank skips the same block", "the plan allows per-rank skips"],
+)
+def test_skips_every_rank_takes_or_the_plan_allows_are_no_error(world2, paths, options):
+    for found in world2.run(deviating, paths, **options):
+        assert found["deviating"] is None and found["next"] is None and found["warnings"] == []
+        assert found["after"] < 1e-6
 
 
 @pytest.mark.parametrize("case", ["twice", "out of order"])
@@ -304,9 +341,11 @@ net = Net()
 params, _ = fs.extract(net)
 sharded = fs.shard(params, mesh)
 net.to("meta")
-apply = fs.schedule(net, fs.plan(net, fs.policy.by_type(Block)))
+plan = fs.plan(net, fs.policy.by_type(Block), per_rank_skips=case == "allowed skip")
+apply = fs.schedule(net, plan)
 vg = fs.value_and_grad(lambda p, x, path: _loss(apply(p, x, path)))
-path = {"skip": (0, 1, 3), "twice": (0, 1, 2, 1, 3)}[case] if dist.get_rank() == 1 else None
+paths = {"skip": (0, 1, 3), "allowed skip": (0, 1, 3), "twice": (0, 1, 2, 1, 3)}
+path = paths[case] if dist.get_rank() == 1 else None
 for step in range(3):
     vg(sharded, torch.randn(5, 3), path)
     print(f"rank {dist.get_rank()} finished step {step}", flush=True)
@@ -314,11 +353,12 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.parametrize("case", ["skip", "twice"])
+@pytest.mark.parametrize("case", ["allowed skip", "skip", "twice"])
 def test_a_job_whose_ranks_take_different_paths_ends_without_an_abort(tmp_path, case):
-    """Two torchrun ranks, rank 1 skipping a block (the job finishes) or using one twice (every
-    rank exits with the error, code 1): never gloo's abort (``terminate called after throwing an
-    instance of 'gloo::EnforceNotMet'``, signal 6), which is what a mismatched gather gives."""
+    """Two torchrun ranks, rank 1 skipping a block where the plan allows it (the job finishes),
+    skipping one by default or using one twice (every rank exits with the error, code 1): never
+    gloo's abort (``terminate called after throwing an instance of 'gloo::EnforceNotMet'``,
+    signal 6), which is what a mismatched gather gives."""
     script = tmp_path / "job.py"
     script.write_text(_JOB)
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
@@ -328,12 +368,16 @@ def test_a_job_whose_ranks_take_different_paths_ends_without_an_abort(tmp_path, 
     )
     out = job.stdout + job.stderr
     assert not any(a in out for a in ("terminate called", "Signal 6", "SIGABRT")), out[-3000:]
-    if case == "skip":
+    if case == "allowed skip":
         assert job.returncode == 0, out[-3000:]
         assert "rank 0 finished step 2" in out and "rank 1 finished step 2" in out
+        return
+    assert job.returncode == 1, out[-3000:]
+    assert "rank 0 finished step 0" in out and "rank 1 finished step 0" in out
+    assert "finished step 1" not in out  # every rank raised at its next call
+    if case == "skip":
+        says = "RuntimeError: schedule: the ranks' forwards skipped different runs"
+        assert out.count(says) >= 2, out[-3000:]  # on both ranks
     else:
-        assert job.returncode == 1, out[-3000:]
-        assert "rank 0 finished step 0" in out and "rank 1 finished step 0" in out
-        assert "finished step 1" not in out  # every rank raised at its next call
         assert "RuntimeError: schedule: rank 1's forward used group 'blocks.1'" in out
         assert "RuntimeError: schedule: rank 1 raised RuntimeError" in out

@@ -22,7 +22,10 @@ or its error -- and reads everyone's:
 An error a rank finds where raising would leave the others in a collective without it (a
 scheduled forward that used a group where the plan had already freed it: see [Note: the
 collectives follow the plan] in ``_execution/_deviation``) is kept (:func:`defer`) and published
-as that rank's error at its next call's check: every rank raises it there.
+as that rank's error at its next call's check: every rank raises it there. Likewise the plan
+runs a rank's scheduled forward skipped (:func:`skipped`) ride its next status: ranks whose
+forwards skipped different runs raise there, on every rank (see [Note: the collectives follow
+the plan]); runs every rank skipped are no error.
 
 The exchange goes through the process group's key-value store, not a collective: it adds
 nothing to the sequence of collectives (whose counts FSDP2 users compare, and which must stay
@@ -42,6 +45,7 @@ import collections
 import contextlib
 import functools
 import hashlib
+import json
 import pickle
 from collections.abc import Callable, Iterator, Sequence
 
@@ -61,6 +65,7 @@ _REMEMBERED = 1024  # structures whose hash is cached, per process
 _ERROR, _GONE, _COLLECTIVE = b"E", _store.GONE, _store.COLLECTIVE
 _exchange = _store.exchange
 _DEFERRED: list[Exception] = []  # see defer
+_SKIPPED: list[str] = []  # see skipped
 
 
 def agree(
@@ -89,6 +94,7 @@ def agree(
     if error is None and _DEFERRED:
         error = _DEFERRED.pop()
     if not dist.is_initialized() or dist.get_world_size() == 1:
+        taken_skips()
         if error is not None:
             raise error
         return [count]
@@ -101,19 +107,23 @@ def agree(
 
 def _agree(fn, leaves, options, error, digest, count) -> list[float | None]:
     updates, updated = taken()  # see [Note: the optimizer rides the next check]
+    skips = taken_skips()
     with untraced():  # under torch.compile: checked at trace time, never part of the graph
         if error is not None:
             status = _ERROR + pickle.dumps((type(error).__name__, str(error)))
         else:
             status = str(cached_digest(fn, leaves, options) if digest is None else digest)
-            status = f"{status}/{updates}|{'' if count is None else repr(count)}".encode()
+            count_ = "" if count is None else repr(count)
+            status = f"{status}/{updates}|{count_}|{json.dumps(skips)}".encode()
         everyone = _exchange("status", status)
     failed = [(r, s) for r, s in enumerate(everyone) if s[:1] in (_ERROR, _GONE, _COLLECTIVE)]
     if failed:
         if error is not None:
             raise error
         raise _failure(fn, *failed[0])
-    digests, counts = zip(*(s.split(b"|", 1) for s in everyone), strict=True)
+    digests, counts, by_rank_skips = zip(*(s.split(b"|", 2) for s in everyone), strict=True)
+    if any(s != by_rank_skips[0] for s in by_rank_skips):
+        raise RuntimeError(_skips_differ(fn, [json.loads(s) for s in by_rank_skips]))
     if any(d != digests[0] for d in digests):
         with untraced():
             entries = [("<call>", fn), *_describe(leaves, options), *updated]
@@ -129,6 +139,36 @@ def defer(error: Exception) -> None:
     ``_execution/_deviation``). Only the first error is kept until then."""
     if not _DEFERRED:
         _DEFERRED.append(error)
+
+
+def skipped(runs: Sequence[str]) -> None:
+    """Note the groups whose plan runs this rank's scheduled forward skipped (one name per
+    run), for this rank's next :func:`agree` to compare with the other ranks' (see
+    [Note: one status per call])."""
+    _SKIPPED.extend(runs)
+
+
+def taken_skips() -> list[str]:
+    """The runs :func:`skipped` noted since the last check, forgotten here."""
+    runs = _SKIPPED[:]
+    _SKIPPED.clear()
+    return runs
+
+
+def _skips_differ(fn: str, skips: list[list[str]]) -> str:
+    named = [", ".join(repr(g) for g in s) or "none" for s in skips]
+    by = "; ".join(f"rank {r}: {n}" for r, n in enumerate(named))
+    return (
+        f"{fn}: the ranks' forwards skipped different runs of the plan's groups in their last "
+        f"scheduled call (skipped on {by}). Every rank still gathered and reduce-scattered "
+        "every group where the plan has it (a skipping rank reduced zero gradients), so no "
+        "collective was mismatched and the gradients were those of each rank's own path; but "
+        "forwards that take different paths on different ranks are most often a bug (a branch "
+        "on the rank's data, a layer drop drawn on each rank). Make every rank run the same "
+        "groups (draw a layer drop from a generator seeded the same on every rank); if the "
+        "ranks skip on purpose, say so in the plan: fs.plan(..., per_rank_skips=True) (see "
+        "docs/failures.md, control flow that differs between ranks)."
+    )
 
 
 @contextlib.contextmanager

@@ -19,7 +19,13 @@ branch, a bug:
   backward would have been; its backward moves the backward cursor to the group (the re-gather
   and prefetch a saved tensor of the group asks for), then the gather's backward follows: the
   plan's order. The gradients are exact: this rank's loss does not depend on the skipped run,
-  and the other ranks' gradients are reduced with its zeros. Likewise a group whose backward
+  and the other ranks' gradients are reduced with its zeros. Still, ranks whose forwards take
+  different paths are most often a bug: the groups a rank's forward gathered and never used
+  ride its next per-call status (``_consensus.skipped``), and ranks that differ there raise a
+  ``RuntimeError`` naming them and the fix on every rank -- unless the plan says ranks may
+  skip on their own (``per_rank_skips``: a layer drop drawn on each rank). Groups every rank
+  skipped (a module the forward never calls) are no error. Forwards under no_grad reduce
+  nothing and are not compared (an early exit at evaluation). Likewise a group whose backward
   unpacks none of its full tensors (the first block, whose input needs no gradient, saves only
   that input) moves the backward cursor to its last run when its gradients are complete,
   before its reduce-scatter: the steps a rank that did unpack them ran there.

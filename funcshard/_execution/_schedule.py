@@ -79,7 +79,7 @@ from torch.distributed.tensor import DTensor
 
 from .._communication import _counts, _flat, _grad_layout, _liveness, _packed
 from .._communication._collectives import Notify
-from .._communication._consensus import cached_digest, defer, failing, leaf
+from .._communication._consensus import cached_digest, defer, failing, leaf, skipped
 from .._plans._plan import Plan, Step, after_forward, post_forward_ranks
 from .._runtime import _compile, _sink
 from .._runtime._compat import storage_key
@@ -334,7 +334,8 @@ def _agreed(plan: Plan) -> tuple[tuple[str, str], ...]:
     )  # fmt: skip
     order = f"{list(plan.order)}, backward {list(plan.backward_order or ())}"
     prefetch = f"{plan.prefetch}, backward {plan.backward_prefetch}"
-    return (*groups, ("plan order", order), ("plan prefetch", prefetch))
+    skips = ("plan per_rank_skips", str(plan.per_rank_skips))
+    return (*groups, ("plan order", order), ("plan prefetch", prefetch), skips)
 
 
 def _storage(t: torch.Tensor) -> int | None:
@@ -561,6 +562,8 @@ class _Run:
         self.outside: set[str] = set()
         self.zeroed: set[str] = set()
         self.skipped: list[torch.Tensor] = []
+        self.skipped_runs: list[str] = []  # their groups (see unused)
+        self.used: set[str] = set()  # groups the forward used
         self.deviated: set[str] = set()  # groups already named to the user
         self.sealed: str | None = None  # a recompute group's forward is running (_recompute)
 
@@ -586,6 +589,7 @@ class _Run:
             self._bind_region()
         for state in dict.fromkeys(state for state, _ in places):
             if self.in_forward:
+                self.used.add(state.name)
                 followed = self._use(self.forward, state.name)
             elif self.recomputing:  # a checkpoint region's forward, again, in backward
                 followed = self._use(self.backward, state.name)
@@ -765,6 +769,7 @@ class _Run:
             for name, state in self.groups.items():
                 if after[name] and (state.resident or state.pending):
                     self._free(state, after[name] == ("reshard",))
+        skipped(list(dict.fromkeys(g for g in self.skipped_runs if g not in self.used)))
         return _deviation.attach(out, self.skipped) if self.skipped else out
 
     def _skip(self, group: str) -> None:
@@ -772,6 +777,8 @@ class _Run:
         in ``_deviation``."""
         state = self.groups[group]
         backward = torch.is_grad_enabled() and not self.mode.traced  # traced: see the Note
+        if backward and not self.plan.per_rank_skips:
+            self.skipped_runs.append(group)
         if not (backward and state.resident and state.local_fulls):
             return
         fulls = [t for t in state.local_fulls if t.requires_grad]

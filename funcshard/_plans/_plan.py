@@ -88,6 +88,11 @@ class Plan:
     ``order`` is the forward order of group *runs* (names may repeat); ``backward_order`` is the
     backward order (default: ``order`` reversed). ``forward`` and ``backward`` are the steps,
     derived from the other fields: change those with :meth:`replace` to get a new plan.
+    ``per_rank_skips``: whether ranks' forwards may skip different runs of the plan (a layer
+    drop drawn on each rank). Either way every rank issues the plan's collectives, and a rank
+    that skips a run reduces zero gradients for it; by default ranks whose forwards skipped
+    different runs raise at their next call (see [Note: the collectives follow the plan] in
+    ``_execution/_deviation``).
     """
 
     groups: tuple[Group, ...]
@@ -95,6 +100,7 @@ class Plan:
     backward_order: tuple[str, ...] | None = None
     prefetch: int = 1
     backward_prefetch: int = 1
+    per_rank_skips: bool = False
     forward: tuple[Step, ...] = dataclasses.field(init=False)
     backward: tuple[Step, ...] = dataclasses.field(init=False)
 
@@ -167,6 +173,7 @@ class Plan:
                 "backward_order": list(self.backward_order),
                 "prefetch": self.prefetch,
                 "backward_prefetch": self.backward_prefetch,
+                "per_rank_skips": self.per_rank_skips,
                 "forward": [[s.op, s.group] for s in self.forward],
                 "backward": [[s.op, s.group] for s in self.backward],
             },
@@ -191,6 +198,7 @@ class Plan:
             backward_order=tuple(d["backward_order"]),
             prefetch=d["prefetch"],
             backward_prefetch=d["backward_prefetch"],
+            per_rank_skips=d.get("per_rank_skips", False),
         )
         for name in ("forward", "backward"):
             if name in d and [[s.op, s.group] for s in getattr(plan, name)] != d[name]:
@@ -203,7 +211,8 @@ class Plan:
     def __str__(self) -> str:
         lines = [
             f"Plan: {len(self.groups)} groups, prefetch={self.prefetch}, "
-            f"backward_prefetch={self.backward_prefetch}",
+            f"backward_prefetch={self.backward_prefetch}"
+            + (", per_rank_skips=True" if self.per_rank_skips else ""),
             "groups:",
         ]
         width = max((len(g.name or "<root>") for g in self.groups), default=6)
@@ -238,6 +247,7 @@ def plan(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     recompute: bool | int | Iterable[str] | None = None,
+    per_rank_skips: bool = False,
 ) -> Plan:
     """The plan for ``module``: groups from :func:`~funcshard.group`, and their order.
 
@@ -271,6 +281,10 @@ def plan(
         recompute: which groups recompute their forward in backward (activation
             checkpointing): ``True`` all but the root, an int ``k`` every k-th, or a list of
             group names; see :meth:`Plan.with_recompute`. Default: none.
+        per_rank_skips: the ranks' forwards may skip different runs of groups (a layer drop
+            drawn on each rank, as DDP's ``find_unused_parameters``); by default ranks whose
+            forwards skipped different runs raise a ``RuntimeError`` at their next call (see
+            :class:`Plan`).
 
     Groups without parameters are dropped.
 
@@ -309,7 +323,9 @@ def plan(
             )
         else:
             order = _depth_first_order(module, [g.name for g in groups])
-    made = Plan(tuple(groups), tuple(order), backward_order, prefetch, backward_prefetch)
+    made = Plan(
+        tuple(groups), tuple(order), backward_order, prefetch, backward_prefetch, per_rank_skips
+    )
     made = made if sharded is None else made.with_meshes(sharded)
     return made if recompute is None else made.with_recompute(recompute)
 
