@@ -68,6 +68,22 @@ def _graphed_compiled_vs_compiled():
     return same(compiled, graphed), graphed["graphs"], graphed["frames"]
 
 
+def test_a_jitted_step_is_captured_on_the_stand_in(world2):
+    """``fs.cuda_graph(fs.jit(step))``: the jitted step's graph (traced in the first warm-up
+    call) runs under the capture's checks, and the graphed run gives the jitted step's losses,
+    parameters and state bit for bit; traced once, one graph."""
+    for diff, graphs, traces in world2.run(_graphed_jitted_vs_jitted):
+        assert diff == {"losses": 0.0, "params": 0.0, "state": 0.0}
+        assert (graphs, traces) == (1, 1)
+
+
+def _graphed_jitted_vs_jitted():
+    # the traced graph run as it is (inductor's code is captured on a GPU: tests/test_cuda.py)
+    jitted = train("cpu", False, 6, fused=True, jit_backend="eager")
+    graphed = train("cpu", True, 6, fused=True, jit_backend="eager", backend=_Rerun())
+    return same(jitted, graphed), graphed["graphs"], graphed["frames"]
+
+
 def _counting(calls: list):
     def step(w, x, scale):
         calls.append(1)

@@ -28,6 +28,12 @@ def _users(frames: list[traceback.FrameSummary]) -> traceback.FrameSummary | Non
     return None
 
 
+def _symbolic(out) -> bool:
+    """Some tensor of ``out`` has a symbolic size."""
+    tensors = (x for x in flatten(out)[1] if isinstance(x, torch.Tensor))
+    return any(isinstance(n, torch.SymInt) for t in tensors for n in t.shape)
+
+
 def where(tb: TracebackType | None = None) -> str:
     """The innermost frame outside torch and funcshard -- the user's line -- of ``tb`` (an
     exception's traceback) or of the running stack: ``file:line (code)``."""
@@ -42,16 +48,18 @@ class HostReads(TorchDispatchMode):
     """Refuses the operations a step without Python cannot run as written, naming them and the
     line that called them: a read of a device value on the host (``.item()``, ``bool(t)``, ...)
     always, and on a non-CPU ``device``, a CPU tensor used with device tensors (a copy between
-    them, or a host value that would be frozen). ``what``: the error's start, e.g.
+    them, or a host value that would be frozen). With ``traced`` (a trace on fake tensors of
+    static shapes), an operation whose output's shape depends on the values (``nonzero``,
+    boolean indexing: a symbolic size) is refused too. ``what``: the error's start, e.g.
     ``"cuda_graph: the step cannot be captured"``; ``found``: the refusal, once one happened."""
 
     _READS = frozenset(
         {"aten::_local_scalar_dense", "aten::item", "aten::equal", "aten::is_nonzero"}
     )
 
-    def __init__(self, device: torch.device | None, what: str) -> None:
+    def __init__(self, device: torch.device | None, what: str, traced: bool = False) -> None:
         super().__init__()
-        self.device, self.what = device, what
+        self.device, self.what, self.traced = device, what, traced
         self.found: str | None = None
 
     @classmethod
@@ -92,6 +100,11 @@ class HostReads(TorchDispatchMode):
             if (host and (on_device or to not in (None, "cpu"))) or (on_device and to == "cpu"):
                 self._mixed(name, host[0] if host else ins[0])
         out = func(*args, **kwargs)
+        if self.traced and _symbolic(out):
+            self._refuse(
+                f"{name} makes a shape from a tensor's values (nonzero, boolean indexing, "
+                "unique), which changes from call to call; use fixed shapes (torch.where, masks)"
+            )
         if off_host:
             outs = [x for x in flatten(out)[1] if isinstance(x, torch.Tensor)]
             # a 0-dim CPU input is a number (a constant; a changing one, a host count, the

@@ -92,7 +92,8 @@ class _Traced:
             elif o.kind is _Kind.INPUT:
                 out.append(leaves[o.index])
             elif o.kind is _Kind.WRAPPED:
-                out.append(DTensor(local(leaves[o.index]), o.spec, requires_grad=False))
+                t = local(leaves[o.index])
+                out.append(t if o.spec is None else DTensor(t, o.spec, requires_grad=False))
             else:
                 out.append(o.value)
         return optree.tree_unflatten(self.out_spec, out)
@@ -248,7 +249,7 @@ def _body(step, name, leaves, slots, spec, static, positions, donated, made) -> 
                    for x, s in zip(leaves, slots, strict=True)]  # fmt: skip
         args, kwargs = optree.tree_unflatten(spec, rebuilt)
         args, kwargs = _with_static(args, kwargs, static, positions)
-        checker = HostReads(device, f"jit: {name} cannot be traced")
+        checker = HostReads(device, f"jit: {name} cannot be traced", traced=True)
         try:
             with checker:
                 out = step(*args, **kwargs)
