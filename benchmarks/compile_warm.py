@@ -1,15 +1,23 @@
 """Part of ``compile``, run by hand: the first call of a compiled step with cold and with warm
-caches -- two processes, one after the other, sharing one fresh inductor cache directory
-(``TORCHINDUCTOR_CACHE_DIR``), as a rerun of the same job finds it.
+caches, and how it grows with depth -- each variant in 2-rank jobs of their own, side by side.
 
-    python -m benchmarks.compile_warm [--variants fsdp2,funcshard] [--ranks 2]
+    python -m benchmarks.compile_warm [--variants fsdp2,jit,compile] [--rounds 2] [--ranks 2]
+                                      [--layers 8] [--depth 4,16]
 
-Per variant, the driver makes an empty cache directory and launches the same 2-rank job twice
-(``torchrun``): the first fills the caches (cold), the second finds them (warm). Each job starts
-its compiler first on a throw-away cache ([Note: the compiler's start-up is nobody's] in
-``compile``), then times the variant's first step (the slowest rank) and reports the cache
-counters of inductor's FX graph cache and AOTAutograd's cache and, per phase,
-``torch._dynamo.utils.compile_times()``.
+Per round, per variant (in turn, so that the machine's load falls on all of them alike): an
+empty inductor cache directory (``TORCHINDUCTOR_CACHE_DIR``) and the same job twice, the first
+filling the caches (cold), the second finding them (warm), as a rerun of the job finds them.
+With ``--depth``, per round and variant, a cold job at each depth (an empty directory each).
+Each job starts its compiler first on a throw-away cache ([Note: the compiler's start-up is
+nobody's] in ``compile``), then times the variant's first step (the slowest rank) and reports
+the cache counters of inductor's FX graph cache and AOTAutograd's cache, the seconds per phase
+(``torch._dynamo.utils.compile_times()``; for ``fs.jit``, its trace and its compilation), and
+the rank's CPU seconds. The ratios to ``fsdp2`` (FSDP2 with each block compiled before
+``fully_shard``, torchtitan's way) are per round, then the median over rounds.
+
+Variants: ``fsdp2`` (FSDP2 + ``torch.compile`` per block), ``fsdp2-model`` (FSDP2 +
+``torch.compile(model)``), ``compile`` (funcshard, ``torch.compile(step, fullgraph=True)``),
+``jit`` (funcshard, ``fs.jit(step)``).
 """
 
 from __future__ import annotations
@@ -17,13 +25,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import warnings
 
-VARIANTS = {"fsdp2": "fsdp2 + compile", "funcshard": "funcshard + compile"}
+VARIANTS = {
+    "fsdp2": "fsdp2 + compile per block",
+    "fsdp2-model": "fsdp2 + compile",
+    "compile": "funcshard + compile",
+    "jit": "funcshard + fs.jit",
+}
+BASELINE = "fsdp2"
 
 
 def _phases(at_least: float = 0.2) -> dict[str, float]:
@@ -36,7 +51,7 @@ def _phases(at_least: float = 0.2) -> dict[str, float]:
     }
 
 
-def _job(variant: str) -> None:
+def _job(variant: str, layers: int) -> None:
     import torch
     import torch.distributed as dist
     from torch._dynamo.utils import counters
@@ -50,7 +65,7 @@ def _job(variant: str) -> None:
     warnings.filterwarnings("ignore", message=".*(returned a view tensor|Full backward hook).*")
     mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
     ctx = harness.Context(mesh, torch.device("cpu"), False, 1, 0)
-    w = part.workload(False)
+    w = part.workload(False, layers=layers)
     start_up = part.warm_compiler("inductor")
     counters.clear()
     trainer = ALL[VARIANTS[variant]](w, mesh, Options(compile_backend="inductor"))
@@ -67,6 +82,9 @@ def _job(variant: str) -> None:
         "aot_autograd": dict(counters["aot_autograd"]),
         "phases": _phases(),
     }
+    jitted = getattr(trainer.counter, "jitted", None)
+    if jitted is not None:
+        row["jit"] = {k: round(v, 1) for k, v in jitted.seconds()[0].items()}
     everyone = [None] * ctx.world
     dist.all_gather_object(everyone, row)
     if ctx.rank == 0:
@@ -76,35 +94,79 @@ def _job(variant: str) -> None:
     dist.destroy_process_group()
 
 
-def _launch(variant: str, cache: str, ranks: int) -> dict:
+def _launch(variant: str, cache: str, ranks: int, layers: int) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
-    cmd += [str(ranks), "-m", "benchmarks.compile_warm", "--job", variant]
+    cmd += [str(ranks), "-m", "benchmarks.compile_warm", "--job", variant, "--layers", str(layers)]
     out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
     line = next(x for x in out.splitlines() if x.startswith("RESULT "))
-    return json.loads(line.removeprefix("RESULT "))
+    result = json.loads(line.removeprefix("RESULT "))
+    result["load"] = round(os.getloadavg()[0], 1)
+    return result
+
+
+def _show(label: str, r: dict) -> None:
+    jit = f"  fs.jit {r['jit']}" if "jit" in r else ""
+    print(
+        f"{label}: {r['first_call_s']:.1f} s (cpu {r['cpu_s']:.1f} s){jit}  inductor "
+        f"{r['inductor']}  aot {r['aot_autograd']}  load {r['load']}\n  phases: {r['phases']}",
+        flush=True,
+    )
+
+
+def _ratios(times: dict, what: str) -> None:
+    """Per variant, the median over rounds of its time over the baseline's in the same round."""
+    if BASELINE not in times:
+        return
+    for variant, seconds in times.items():
+        if variant == BASELINE:
+            continue
+        per_round = [s / b for s, b in zip(seconds, times[BASELINE], strict=True)]
+        shown = ", ".join(f"{x:.2f}" for x in per_round)
+        print(f"{what}: {variant} / {BASELINE}: median {statistics.median(per_round):.2f}x "
+              f"(rounds: {shown})", flush=True)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--variants", default="fsdp2,funcshard")
+    ap.add_argument("--variants", default="fsdp2,jit")
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=8, help="blocks of the cold/warm runs")
+    ap.add_argument("--depth", default="", help="e.g. 4,16: cold first calls at these depths")
     ap.add_argument("--job", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.job:
-        return _job(args.job)
+        return _job(args.job, args.layers)
+    variants = args.variants.split(",")
+    depths = [int(d) for d in args.depth.split(",") if d]
     print(f"load average before: {os.getloadavg()}", flush=True)
-    for variant in args.variants.split(","):
-        with tempfile.TemporaryDirectory(prefix="funcshard-inductor-") as cache:
-            for run in ("cold", "warm"):
-                r = _launch(variant, cache, args.ranks)
-                print(
-                    f"{variant} {run}: {r['first_call_s']:.1f} s (cpu {r['cpu_s']:.1f} s)  "
-                    f"inductor {r['inductor']}  aot {r['aot_autograd']}  "
-                    f"load {os.getloadavg()[0]:.1f}",
-                    flush=True,
-                )
-                print(f"  phases: {r['phases']}", flush=True)
+    cold, warm = {v: [] for v in variants}, {v: [] for v in variants}
+    deep = {(v, d): [] for v in variants for d in depths}
+    for r in range(args.rounds):
+        for variant in variants:
+            if not depths:
+                with tempfile.TemporaryDirectory(prefix="funcshard-inductor-") as cache:
+                    for run, into in (("cold", cold), ("warm", warm)):
+                        result = _launch(variant, cache, args.ranks, args.layers)
+                        into[variant].append(result["first_call_s"])
+                        _show(f"round {r} {variant} {run}, {args.layers} blocks", result)
+            for d in depths:
+                with tempfile.TemporaryDirectory(prefix="funcshard-inductor-") as cache:
+                    result = _launch(variant, cache, args.ranks, d)
+                    deep[variant, d].append(result["first_call_s"])
+                    _show(f"round {r} {variant} cold, {d} blocks", result)
+    if not depths:
+        _ratios(cold, "cold")
+        _ratios(warm, "warm")
+    for variant in variants:
+        if len(depths) >= 2:
+            ratios = [b / a for a, b in zip(deep[variant, depths[0]], deep[variant, depths[-1]],
+                                            strict=True)]  # fmt: skip
+            shown = ", ".join(f"{x:.2f}" for x in ratios)
+            print(f"depth: {variant}, {depths[-1]} / {depths[0]} blocks: median "
+                  f"{statistics.median(ratios):.2f}x (rounds: {shown})", flush=True)  # fmt: skip
+    print(f"load average after: {os.getloadavg()}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The checks of one session on a GPU machine, in one go (about 10 minutes on an H100):
+# The checks of one session on a GPU machine, in one go (about 12 minutes on an H100):
 #   1. the CUDA tests (tests/test_cuda.py: parity, AdamW on the device against torch.optim bit for
-#      bit, fs.cuda_graph against the eager step bit for bit, a compiled step captured against
-#      it compiled, the refusals, 8 fake ranks);
-#   2. python -m benchmarks.gpu at one rank (NCCL), every variant;
+#      bit, fs.cuda_graph against the eager step bit for bit, a compiled step and an fs.jit step
+#      captured against them uncaptured, the refusals, 8 fake ranks);
+#   2. python -m benchmarks.gpu at one rank (NCCL), every variant (fs.jit's among them);
 #   3. the same at 8 fake ranks on the GPU (the variants without torch.compile).
 # Logs and result JSONs go to OUT (at most 7 files). Run from the repository root:
 #   benchmarks/gpu_check.sh OUT [--configs 36M,271M]       # on the GPU machine
@@ -22,11 +22,11 @@ fake_variants="plain torch,plain torch, CUDA graph,FSDP2,funcshard,funcshard, CU
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv 2>&1 || true
   $py -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
-  timeout 240 $py -m pytest -q -rfEsP -p no:cacheprovider tests/test_cuda.py
+  timeout 300 $py -m pytest -q -rfEsP -p no:cacheprovider tests/test_cuda.py
   echo "tests rc=$?"
 } 2>&1 | tee "$out/tests.log"
 
-timeout 330 $py -m benchmarks.gpu "${configs[@]}" --out "$out" "$@" 2>&1 \
+timeout 420 $py -m benchmarks.gpu "${configs[@]}" --out "$out" "$@" 2>&1 \
   | grep -v "^USDT" | tee "$out/bench.log"
 echo "bench rc=${PIPESTATUS[0]}" | tee -a "$out/bench.log"
 

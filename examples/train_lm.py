@@ -78,6 +78,8 @@ class Config:
     weight_decay: float = _flag(0.1, "AdamW's weight decay, on matrices only")
     clip: float = _flag(1.0, "clip the gradients' global norm to this")
     bf16: bool = _flag(False, "bf16 parameters in forward and backward, fp32 gradient reduction")
+    compile: bool = _flag(False, "trace the training step once and compile it (fs.jit, inductor): "
+                          "a slower first step, faster steps after")  # fmt: skip
     seed: int = _flag(0, "seed of the initial model and of the batches")
     data_mb: float = _flag(4.0, "megabytes of the standard library to read as text")
     # evaluation and output
@@ -277,7 +279,8 @@ if __name__ == "__main__":  # see [Note: the command line before torch]
     INTERRUPT = Interrupt()  # a rank: from here on, Ctrl-C stops the run after a step
     signal.signal(signal.SIGINT, INTERRUPT.handle)
 
-import hashlib  # noqa: E402 (the run: see [Note: the command line before torch])
+import functools  # noqa: E402 (the run: see [Note: the command line before torch])
+import hashlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import resource  # noqa: E402
@@ -757,6 +760,9 @@ def train(cfg: Config, interrupt: Interrupt, restart: int = 0) -> Result:
             params, step, [], [], len(text.vocab), text.entropy, None, [], explanation=explanation
         )
 
+    run_step = functools.partial(train_step, apply, opt)
+    if cfg.compile:  # traced once, compiled by inductor: docs/compile.md
+        run_step = fs.jit(run_step)
     losses, heldout, heldout_ema, saving, seconds = [], [], [], None, 0.0
     if step == 0:
         heldout.append((0, evaluate(model, apply, params, buffers, text, cfg)))
@@ -772,7 +778,7 @@ def train(cfg: Config, interrupt: Interrupt, restart: int = 0) -> Result:
         t0 = time.perf_counter()
         tokens = batch_at(text.train, position, cfg.batch, cfg.context, cfg.seed)
         mine = rows(tokens, rank, world)
-        params, opt_state, loss = train_step(apply, opt, params, buffers, opt_state, mine)
+        params, opt_state, loss = run_step(params, buffers, opt_state, mine)
         step, position = step + 1, position + 1
         mean, interrupted = mean_and_any(loss, interrupt.requested)
         losses.append(mean)

@@ -103,11 +103,12 @@ def test_a_second_process_finds_the_compiled_graph(tmp_path):
 def test_a_second_process_finds_the_jitted_step_in_both_caches(tmp_path):
     first = _run(tmp_path, seed=1, how="fs.jit")
     second = _run(tmp_path, seed=2, how="fs.jit")
-    assert first.get("fxgraph_cache_miss", 0) == 1 and first.get("fxgraph_cache_hit", 0) == 0
-    assert first.get("autograd_cache_miss", 0) == 1 and first.get("autograd_cache_saved", 0) == 1
-    assert second.get("autograd_cache_hit", 0) == 1, second
+    # each compiled piece of the step (docs/compile.md) is a graph of its own in the caches
+    assert first.get("fxgraph_cache_miss", 0) >= 1 and first.get("fxgraph_cache_hit", 0) == 0
+    assert first["autograd_cache_saved"] == first["autograd_cache_miss"] >= 1, first
+    assert second.get("autograd_cache_hit", 0) == first["autograd_cache_miss"], second
     assert second.get("autograd_cache_miss", 0) == 0, second
-    assert second.get("fxgraph_cache_hit", 0) == 1, second
+    assert second.get("fxgraph_cache_hit", 0) >= 1, second
     for run in (first, second):
         assert run["losses"] == pytest.approx(run["eager"], abs=1e-5, rel=1e-5)
     assert second["losses"] == first["losses"]

@@ -45,7 +45,7 @@ def _train_step(apply, buffers, opt):
     return step
 
 
-def many_steps(backend: str, steps: int):
+def many_steps(backend: str, steps: int, regions: bool = True):
     """``steps`` steps of the jitted scheduled step (AdamW, a warm-up cosine schedule) beside
     the eager one: the losses at every step, the parameters and state at the end; one trace;
     the parameters are the arguments, updated in place."""
@@ -53,7 +53,7 @@ def many_steps(backend: str, steps: int):
     lr = fs.optim.warmup_cosine_decay_schedule(0.0, 0.02, warmup_steps=3, decay_steps=steps)
     opt = fs.optim.adamw(lr, weight_decay=0.1)
     step = _train_step(apply, buffers, opt)
-    jitted = fs.jit(step, backend=backend)
+    jitted = fs.jit(step, backend=backend, regions=regions)
     eager_p, jit_p = _copy(sharded), _copy(sharded)
     eager_s, jit_s = opt.init(eager_p), opt.init(jit_p)
     gaps, same = [], True
@@ -70,9 +70,13 @@ def many_steps(backend: str, steps: int):
     return max(gaps), jitted.traces, same, int(jit_s.count), moved
 
 
-@pytest.mark.parametrize(("backend", "steps"), [("eager", 20), ("inductor", 20)])
-def test_many_steps_equal_eager(world2, backend, steps):
-    for gap, traces, same, count, moved in world2.run(many_steps, backend, steps):
+@pytest.mark.parametrize(
+    ("backend", "regions"), [("eager", True), ("inductor", True), ("inductor", False)]
+)
+def test_many_steps_equal_eager(world2, backend, regions):
+    """20 steps: the traced graph as it is, compiled in pieces (the default), compiled whole."""
+    steps = 20
+    for gap, traces, same, count, moved in world2.run(many_steps, backend, steps, regions):
         assert gap <= 1e-5, gap  # every step's loss, relative
         assert (traces, same, count) == (1, True, steps)
         assert moved > 1e-2  # trained: not a comparison of untouched parameters
@@ -279,6 +283,45 @@ def test_identical_blocks_are_traced_once(world2):
     ):
         assert four == one, (one, four)
         assert (calls_one, calls, bodies) == (2, 8, 2)
+
+
+def compiled_pieces(blocks: int):
+    """What a step of ``blocks`` identical blocks compiles in pieces (a backend that records
+    each graph it is given and runs it as it is): the regions' bodies and the segments, by
+    their operators; and whether the step's values equal the eager step's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), *(Counted(8) for _ in range(blocks)), nn.Linear(8, 1))
+    params, buffers = fs.extract(model)
+    sharded = fs.shard(params, mesh(dist.get_world_size()))
+    model.to("meta")
+    apply = fs.schedule(model, fs.plan(model, fs.policy.by_type(Counted)))
+    vg = fs.value_and_grad(
+        lambda p, x: F.mse_loss(apply(p, x, buffers=buffers).tanh().exp(), x[:, :1].sigmoid())
+    )
+    pieces = []
+
+    def record(graph, examples):
+        pieces.append(sorted({str(n.target) for n in graph.graph.nodes if n.op == "call_function"}))
+        return graph
+
+    jitted = fs.jit(vg, backend=record)
+    x = _batch(0)[0]
+    fs.testing.assert_close(jitted(sharded, x), vg(sharded, x), **TOL)
+    fs.testing.assert_close(jitted(sharded, 2 * x), vg(sharded, 2 * x), **TOL)
+    return pieces
+
+
+def test_a_step_is_compiled_in_pieces_the_same_at_any_depth(world2):
+    """Two identical blocks or five: the same pieces are compiled -- one forward and one
+    backward body (matmuls, tanh), and the loss's segment (exp, sigmoid, mse) --, and nothing
+    of the scheduler's part (collectives, funcshard's operators)."""
+    for two, five in zip(world2.run(compiled_pieces, 2), world2.run(compiled_pieces, 5),
+                         strict=True):  # fmt: skip
+        assert two == five
+        assert len(two) == 3, two
+        ops = {op for piece in two for op in piece}
+        assert {"aten.tanh.default", "aten.exp.default", "aten.sigmoid.default"} <= ops
+        assert not any("c10d" in op or op.startswith("funcshard.") for op in ops), ops
 
 
 # ---- the private torch APIs of the trace and the compilation ---------------------------------

@@ -39,6 +39,7 @@ import dataclasses
 import enum
 import functools
 import inspect
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,6 +50,7 @@ from torch.distributed.tensor import DTensor
 from .._runtime._compat import compile_graph, storage_key, trace_graph
 from .._trees._tree import flatten
 from ._host import HostReads, where
+from ._pieces import compiled_in_pieces
 from ._signature import Keys, difference, local
 
 _BACKENDS = ("inductor", "eager")
@@ -79,6 +81,7 @@ class _Traced:
     inputs: tuple[int, ...]
     outs: tuple[_Out, ...]
     out_spec: optree.PyTreeSpec
+    seconds: dict[str, float]  # the trace's and the compilation's
 
     def __call__(self, leaves: list) -> Any:
         tensors = [local(leaves[i]) for i in self.inputs]
@@ -101,9 +104,12 @@ class _Traced:
 
 class Jitted:
     """``step`` traced and compiled per signature: see :func:`jit`. ``traces``: how many
-    signatures were traced; ``graphs()``: their graphs (before compilation)."""
+    signatures were traced; ``graphs()``: their graphs (before compilation); ``seconds()``:
+    what tracing and compiling each took."""
 
-    def __init__(self, step, static_argnames, donate_argnames, max_traces, backend) -> None:
+    def __init__(
+        self, step, static_argnames, donate_argnames, max_traces, backend, regions
+    ) -> None:
         if not callable(step):
             raise TypeError(f"jit: step is a {type(step).__name__}, not a callable.")
         if not (isinstance(max_traces, int) and max_traces >= 1):
@@ -114,7 +120,9 @@ class Jitted:
                 "(graph, example tensors) -> compiled callable."
             )
         self.step, self.max_traces, self.backend = step, max_traces, backend
-        self.name = getattr(step, "__name__", type(step).__name__)
+        self.regions = regions
+        inner = getattr(step, "func", step)  # a functools.partial: its function's name
+        self.name = getattr(step, "__name__", None) or getattr(inner, "__name__", "step")
         self.static = _names(static_argnames, "static_argnames")
         self.donate = _names(donate_argnames, "donate_argnames")
         both = set(self.static) & set(self.donate)
@@ -131,8 +139,15 @@ class Jitted:
         return len(self.entries)
 
     def graphs(self) -> list[torch.fx.GraphModule]:
-        """The traced graph of each signature, in the order they were traced."""
+        """The traced graph of each signature, in the order they were traced (with its compiled
+        pieces as submodules: see [Note: a step compiled in pieces] in ``_pieces``)."""
         return [e.graph for e in self.entries.values()]
+
+    def seconds(self) -> list[dict[str, float]]:
+        """Per signature, in the order traced: ``{"trace": s, "compile": s}``, the seconds of
+        the trace (the step's Python on fake tensors) and of the compilation (inductor, or its
+        caches)."""
+        return [dict(e.seconds) for e in self.entries.values()]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs, static = self._split(args, kwargs)
@@ -190,14 +205,16 @@ class Jitted:
         body = _body(self.step, self.name, leaves, slots, spec, static, self.positions, donated,
                      made)  # fmt: skip
         tensors = [local(leaves[i]) for i in inputs]
+        started = time.perf_counter()
         graph = trace_graph(body, tensors)
-        if self.backend == "inductor":
-            run = compile_graph(graph, tensors)
-        elif self.backend == "eager":
+        traced = time.perf_counter()
+        if self.backend == "eager":
             run = graph
         else:
-            run = self.backend(graph, tensors)
-        entry = _Traced(run, graph, tuple(inputs), made.outs, made.spec)
+            compile = compile_graph if self.backend == "inductor" else self.backend
+            run = compiled_in_pieces(graph, compile) if self.regions else compile(graph, tensors)
+        seconds = {"trace": traced - started, "compile": time.perf_counter() - traced}
+        entry = _Traced(run, graph, tuple(inputs), made.outs, made.spec, seconds)
         self.entries[key] = entry
         return entry
 
@@ -391,6 +408,7 @@ def jit(
     donate_argnames: str | Sequence[str] = (),
     max_traces: int = 8,
     backend: str | Callable = "inductor",
+    regions: bool = True,
 ) -> Jitted:
     """``step`` traced once per input signature into one graph, compiled, and run as that graph
     (see [Note: a step traced by fs.jit]).
@@ -434,7 +452,8 @@ def jit(
 
     Returns:
         A callable with ``step``'s signature and results; ``.traces`` counts the signatures
-        traced and ``.graphs()`` returns their graphs.
+        traced, ``.graphs()`` returns their graphs and ``.seconds()`` what tracing and
+        compiling each took.
 
     Raises (from a call):
         RuntimeError: the step reads a tensor's value on the host (``.item()``, ``bool(t)`` --
@@ -443,4 +462,4 @@ def jit(
         ValueError: a new signature after ``max_traces``, naming what changed.
         TypeError: a static argument is not hashable.
     """
-    return Jitted(step, static_argnames, donate_argnames, max_traces, backend)
+    return Jitted(step, static_argnames, donate_argnames, max_traces, backend, regions)

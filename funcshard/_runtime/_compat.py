@@ -135,7 +135,8 @@ def trace_graph(fn: Callable, tensors: Sequence[torch.Tensor]) -> torch.fx.Graph
 
 
 def compile_graph(gm: torch.fx.GraphModule, tensors: Sequence[torch.Tensor]) -> Callable:
-    """``gm`` compiled by inductor for inputs like ``tensors``; the compiled callable.
+    """``gm`` compiled by inductor for inputs like ``tensors`` (real or fake: only their
+    metadata is read); the compiled callable.
 
     [Note: a traced graph in the caches]
     Inductor's FX graph cache and AOTAutograd's cache key a graph only when it is compiled for
@@ -151,6 +152,8 @@ def compile_graph(gm: torch.fx.GraphModule, tensors: Sequence[torch.Tensor]) -> 
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     mode = FakeTensorMode(shape_env=ShapeEnv())
-    fakes = [mode.from_tensor(t.detach(), static_shapes=True) for t in tensors]
+    with mode:
+        fakes = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+                 for t in tensors]  # fmt: skip
     with tracing(TracingContext(mode)), torch.no_grad():
         return compile_fx(gm, fakes)
