@@ -35,7 +35,7 @@ OPTIM = "Optimizers: fs.optim"
 CHECKPOINT = "Checkpoints: fs.checkpoint"
 INIT = "Initialisation: fs.materialize"
 TESTING = "The testing harness: fs.testing"
-COMPILE = "torch.compile"
+COMPILE = "Compiling: fs.jit and torch.compile"
 CUDA_GRAPH = "CUDA graphs: fs.cuda_graph"
 EXPLAIN_CLI = "Explaining a step: fs.explain, python -m funcshard.explain"
 
@@ -67,6 +67,8 @@ AREAS = {
     "_runtime/_compile.py": COMPILE,
     "_runtime/_compat.py": COMPILE,
     "_execution/_cuda_graph.py": CUDA_GRAPH,
+    "_execution/_host.py": CUDA_GRAPH,
+    "_execution/_jit.py": COMPILE,
     "_pricing/_explain.py": EXPLAIN_CLI,
     "_pricing/_autoplan.py": EXPLAIN_CLI,
     "_pricing/_explain_plot.py": EXPLAIN_CLI,
@@ -112,6 +114,11 @@ INDIRECT = {
         ],
     ),
     "_plans/_plan.py::_recompute_names": ("ValueError", ["cannot recompute its forward"]),
+    # "<cuda_graph: the step cannot be captured | jit: <step> cannot be traced>: <what>"
+    "_execution/_host.py::HostReads._refuse": (
+        "RuntimeError",
+        ["reads a device value on the host", "a copy between host"],
+    ),
     "_plans/_plan.py::_validate": (
         "ValueError",
         ["cannot recompute its forward"],
