@@ -4,8 +4,8 @@
 #                   the script checks them, then starts its ranks with torchrun's launcher
 #   make test    -- lint + the test suite (real gloo process groups, 2 and 4 ranks)
 #   make bench   -- the benchmark suite vs FSDP2 (BENCHMARKS.md); make bench-quick: < 1 min
-#   make test-compile TORCH=2.11.0 -- the torch.compile tests on another torch release (in a
-#                   virtual environment of its own, .venv-torch-2.11.0; docs/compile.md)
+#   make test-compile TORCH=2.11.0 -- the fs.jit and torch.compile tests on another torch release
+#                   (in a virtual environment of its own, .venv-torch-2.11.0; docs/compile.md)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -45,9 +45,10 @@ bench-quick: $(BENCH_STAMP)
 TORCH       ?= 2.13.0
 TORCH_VENV  := .venv-torch-$(TORCH)
 TORCH_STAMP := $(TORCH_VENV)/.funcshard-installed
-COMPILE_TESTS := tests/test_compile.py tests/test_compile_cache.py tests/test_recompute.py \
-	tests/test_optim.py tests/test_parallel_init_compile.py tests/test_benchmarks.py \
-	tests/test_docs.py tests/test_cuda_graph.py
+COMPILE_TESTS := tests/test_compile.py tests/test_compile_cache.py tests/test_jit.py \
+	tests/test_recompute.py tests/test_optim.py tests/test_parallel_init_compile.py \
+	tests/test_benchmarks.py tests/test_docs.py tests/test_cuda_graph.py tests/test_train_lm.py \
+	tests/test_train_llama.py
 
 $(TORCH_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(TORCH_VENV)
@@ -57,4 +58,4 @@ $(TORCH_STAMP): pyproject.toml
 
 test-compile: $(TORCH_STAMP)
 	PYTHONPATH=$(CURDIR) $(TORCH_VENV)/bin/python -m pytest -q $(COMPILE_TESTS) \
-		-k 'compile or gpu_part'
+		-k 'compile or gpu_part or jit'

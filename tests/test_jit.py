@@ -254,15 +254,20 @@ class Counted(nn.Module):
         return x + torch.tanh(self.fc(x))
 
 
-def block_runs(blocks: int):
-    """The runs of a block's forward while a scheduled step of ``blocks`` identical blocks is
-    traced, and whether its values equal the eager step's."""
+def _counted(blocks: int):
+    """A scheduled model of ``blocks`` identical blocks: ``(apply, sharded, buffers)``."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), *(Counted(8) for _ in range(blocks)), nn.Linear(8, 1))
     params, buffers = fs.extract(model)
     sharded = fs.shard(params, mesh(dist.get_world_size()))
     model.to("meta")
-    apply = fs.schedule(model, fs.plan(model, fs.policy.by_type(Counted)))
+    return fs.schedule(model, fs.plan(model, fs.policy.by_type(Counted))), sharded, buffers
+
+
+def block_runs(blocks: int):
+    """The runs of a block's forward while a scheduled step of ``blocks`` identical blocks is
+    traced, and whether its values equal the eager step's."""
+    apply, sharded, buffers = _counted(blocks)
     vg = fs.value_and_grad(lambda p, x: apply(p, x, buffers=buffers).square().mean())
     jitted = fs.jit(vg, backend="eager")
     x = _batch(0)[0]
@@ -289,12 +294,7 @@ def compiled_pieces(blocks: int):
     """What a step of ``blocks`` identical blocks compiles in pieces (a backend that records
     each graph it is given and runs it as it is): the regions' bodies and the segments, by
     their operators; and whether the step's values equal the eager step's."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), *(Counted(8) for _ in range(blocks)), nn.Linear(8, 1))
-    params, buffers = fs.extract(model)
-    sharded = fs.shard(params, mesh(dist.get_world_size()))
-    model.to("meta")
-    apply = fs.schedule(model, fs.plan(model, fs.policy.by_type(Counted)))
+    apply, sharded, buffers = _counted(blocks)
     vg = fs.value_and_grad(
         lambda p, x: F.mse_loss(apply(p, x, buffers=buffers).tanh().exp(), x[:, :1].sigmoid())
     )

@@ -37,7 +37,7 @@ _TRIVIAL = frozenset(
      "select", "split", "split_with_sizes", "squeeze", "unsqueeze", "reshape", "transpose",
      "clone", "empty", "new_empty", "arange", "cat", "ones_like", "zeros_like", "full"}
 )  # fmt: skip
-_HEAVY = 4  # a segment is compiled from this many operators that compute
+_HEAVY = 8  # a segment is compiled from this many operators that compute
 _PROFILER = "profiler"  # record_function nodes: spans, not data; segments pass over them
 
 
