@@ -61,9 +61,9 @@ def _cold_caches():
     return fresh_cache()
 
 
-def warm_compiler(backend: str) -> float:
-    """Start the compiler once before any variant: a small function compiled with ``backend``
-    (forward and backward) under a fresh cache; its seconds.
+def warm_compiler(backend: str, device: str = "cpu") -> float:
+    """Start the compiler once before any variant: a small function on ``device`` compiled with
+    ``backend`` (forward and backward) under a fresh cache; its seconds.
 
     [Note: the compiler's start-up is nobody's]
     The first compilation in a process also starts inductor's machinery -- imports, the pool
@@ -72,11 +72,12 @@ def warm_compiler(backend: str) -> float:
     is paid here, and reported on its own; each variant then compiles in a warm process with
     cold caches, as a second model compiled in the same job would.
     """
-    x = torch.randn(16, requires_grad=True)
+    x = torch.randn(16, device=device, requires_grad=True)
     f = torch.compile(lambda x: (x.sin() * 2).sum(), backend=backend)
     t0 = time.perf_counter()
     with _cold_caches():
         f(x).backward()
+    harness.sync(torch.device(device))
     seconds = time.perf_counter() - t0
     torch._dynamo.reset()
     return seconds

@@ -171,16 +171,19 @@ def _failure(e: BaseException, phase: str) -> dict[str, Any]:
     }
 
 
-def _prologue(w: Workload, mesh, variant, options, batches, device) -> tuple[Trainer, dict]:
-    """Build a variant and run its first ``PROLOGUE`` steps; the first step's seconds
-    (compilation, for the compiled ones) and the device memory it keeps between steps."""
+def _prologue(
+    w: Workload, mesh, variant, options, batches, device, cold: bool = True
+) -> tuple[Trainer, dict]:
+    """Build a variant and run its first steps (``batches``); the first step's seconds
+    (compilation, for the compiled ones: with empty caches, unless not ``cold``) and the device
+    memory it keeps between steps."""
     harness.sync(device)
     allocated = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     trainer = variant(w, mesh, options)
     row: dict[str, Any] = {}
     for i, batch in enumerate(batches):
         t0 = time.perf_counter()
-        with compiled._cold_caches() if i == 0 else contextlib.nullcontext():
+        with compiled._cold_caches() if i == 0 and cold else contextlib.nullcontext():
             trainer.step(batch)
         harness.sync(device)
         if i == 0:
@@ -293,6 +296,7 @@ def measure(
         torch.cuda.empty_cache()
     optimizer = optimizer_cost(w, mesh, device, args) if args.optimizer else {}
     gc.collect()
+    targets += _more_targets(rows, optimizer, ranks=bool(args.fake_world))
     return {
         "world": mesh.size(),
         "fake": bool(args.fake_world),
@@ -312,8 +316,7 @@ def _profile(trainer: Trainer, row: dict, batches, device, flop: int, peak: floa
     try:
         kernel = _kernel_ms(trainer, batches[:3], device)
         row.update(_calls(trainer, batches[:2], device))
-        extra = getattr(trainer.forward_backward, "pool_extra", 0)
-        row["pool"] = extra() if callable(extra) else extra
+        row.update(_pool(trainer))
         row["peak_bytes"] = _peak_bytes(trainer, row, batches[3], device)
     except Exception as e:
         row.update(_failure(e, "profiling"))
@@ -321,6 +324,16 @@ def _profile(trainer: Trainer, row: dict, batches, device, flop: int, peak: floa
     row["kernel_ms"] = kernel
     row["busy"] = None if kernel is None else kernel / row["ms"]
     row["mfu"] = None if peak is None else flop / (row["ms"] / 1e3) / (peak * 1e12)
+
+
+def _pool(trainer: Trainer) -> dict[str, Any]:
+    """A CUDA graph's pool beyond its live tensors (``pool``, bytes; 0 without a graph) and how
+    it was measured (``pool_measure``: ``variants.pool_free_bytes``)."""
+    got = {"pool": 0, "pool_measure": ""}
+    for key, name in (("pool", "pool_extra"), ("pool_measure", "pool_measure")):
+        value = getattr(trainer.forward_backward, name, got[key])
+        got[key] = value() if callable(value) else value
+    return got
 
 
 def _time(trainers, rows, batches, device, args) -> dict[str, list[torch.Tensor]]:
@@ -375,6 +388,37 @@ EAGER = {
     "funcshard, fs.jit": "funcshard",
     "funcshard, fs.jit, CUDA graph": "funcshard",
 }
+
+
+# beyond step time: a CUDA graph's peak memory against its eager step's (the graph's pool
+# counted whole: ``variants.pool_free_bytes``); at several ranks, funcshard's aten calls and
+# kernel launches per step against FSDP2's; AdamW alone on the shards against torch.optim's
+MEMORY_TARGETS = (("funcshard, CUDA graph", "funcshard", 1.05),)
+COUNT_TARGETS = (("funcshard", FSDP2, 1.0),)
+OPTIMIZER_TARGETS = tuple(
+    (f"fs.optim.adamw({k}=True)", f"torch.optim.AdamW({k}=True)", 1.0)
+    for k in ("fused", "capturable")
+)
+
+
+def _more_targets(rows: dict[str, dict[str, Any]], optimizer: dict, ranks: bool) -> list:
+    """``MEMORY_TARGETS``, ``COUNT_TARGETS`` (at several ranks) and ``OPTIMIZER_TARGETS`` as
+    ``[a, b, at most, a / b]`` (``None``: not measured)."""
+
+    def ratio(a, b) -> float | None:
+        return a / b if isinstance(a, int | float) and isinstance(b, int | float) and b else None
+
+    def of(label: str, key: str):
+        return rows.get(label, {}).get(key)
+
+    out = [[f"{a}, peak memory", f"{b}, peak memory", at, ratio(of(a, "peak_bytes"),
+            of(b, "peak_bytes"))] for a, b, at in MEMORY_TARGETS]  # fmt: skip
+    for a, b, at in COUNT_TARGETS if ranks else ():
+        for key in ("aten_calls", "launches"):
+            out.append([f"{a}, {key}", f"{b}, {key}", at, ratio(of(a, key), of(b, key))])
+    for a, b, at in OPTIMIZER_TARGETS if optimizer else ():
+        out.append([a, b, at, ratio(optimizer.get(a), optimizer.get(b))])
+    return out
 
 
 def _ratios(

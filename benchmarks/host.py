@@ -42,7 +42,11 @@ from . import harness
 class RMSNorm(nn.Module):
     def __init__(self, d: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
+        self.weight = nn.Parameter(torch.empty(d))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:  # what fs.materialize calls to write the ones
+        nn.init.ones_(self.weight)
 
     def forward(self, x):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
@@ -53,13 +57,25 @@ def _rotary(x, cos, sin):
     return torch.cat((a * cos - b * sin, a * sin + b * cos), -1)
 
 
+def _repeat_heads(x, times: int):
+    """``(b, kv_heads, t, hd) -> (b, kv_heads * times, t, hd)``, each key-value head repeated
+    for the query heads that share it (grouped-query attention, as torchtitan's ``repeat_kv``)."""
+    if times == 1:
+        return x
+    b, kv, t, hd = x.shape
+    return x[:, :, None].expand(b, kv, times, t, hd).reshape(b, kv * times, t, hd)
+
+
 class LlamaBlock(nn.Module):
-    def __init__(self, d: int, heads: int, hidden: int | None = None) -> None:
+    def __init__(
+        self, d: int, heads: int, hidden: int | None = None, kv_heads: int | None = None
+    ) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.kv_heads = heads, kv_heads or heads
+        kv_width = d // heads * self.kv_heads
         self.attn_norm = RMSNorm(d)
-        self.wq, self.wk = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
-        self.wv, self.wo = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
+        self.wq, self.wk = nn.Linear(d, d, bias=False), nn.Linear(d, kv_width, bias=False)
+        self.wv, self.wo = nn.Linear(d, kv_width, bias=False), nn.Linear(d, d, bias=False)
         self.mlp_norm = RMSNorm(d)
         hidden = hidden or 3 * d  # the SwiGLU width
         self.w1, self.w3 = nn.Linear(d, hidden, bias=False), nn.Linear(d, hidden, bias=False)
@@ -68,10 +84,10 @@ class LlamaBlock(nn.Module):
     def forward(self, x, cos, sin):
         b, t, d = x.shape
         h = self.attn_norm(x)
-        q, k, v = (
-            w(h).view(b, t, self.heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv)
-        )
+        q = self.wq(h).view(b, t, self.heads, -1).transpose(1, 2)
+        k, v = (w(h).view(b, t, self.kv_heads, -1).transpose(1, 2) for w in (self.wk, self.wv))
         q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
+        k, v = (_repeat_heads(y, self.heads // self.kv_heads) for y in (k, v))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.wo(a.transpose(1, 2).reshape(b, t, d))
         h = self.mlp_norm(x)
@@ -81,17 +97,26 @@ class LlamaBlock(nn.Module):
 class Llama(nn.Module):
     def __init__(
         self, layers: int, d: int = 32, heads: int = 2, vocab: int = 64, seq: int = 8,
-        hidden: int | None = None,
+        hidden: int | None = None, kv_heads: int | None = None,
     ):  # fmt: skip
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(LlamaBlock(d, heads, hidden) for _ in range(layers))
+        self.blocks = nn.ModuleList(LlamaBlock(d, heads, hidden, kv_heads) for _ in range(layers))
         self.norm = RMSNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         half = d // heads // 2
-        freqs = torch.outer(torch.arange(seq).float(), 1e4 ** (-torch.arange(half).float() / half))
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.register_buffer("cos", torch.empty(seq, half), persistent=False)
+        self.register_buffer("sin", torch.empty(seq, half), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The rotary tables, in the buffers' dtype (what fs.materialize calls to write them)."""
+        seq, half = self.cos.shape
+        steps = torch.arange(half, device=self.cos.device).float() / half
+        at = torch.arange(seq, device=self.cos.device).float()
+        freqs = torch.outer(at, 1e4**-steps)
+        self.cos.copy_(freqs.cos())
+        self.sin.copy_(freqs.sin())
 
     def forward(self, tokens):
         t = tokens.shape[1]

@@ -15,7 +15,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import explain_accuracy, explain_scale, gpu, harness, recompute, scale
+from . import (
+    explain_accuracy,
+    explain_scale,
+    gpu,
+    gpu_8b_report,
+    harness,
+    main_job,
+    recompute,
+    scale,
+)
 from .tables import mark, measured, ratio, table, time_and_peak
 from .timeline import LANES
 
@@ -512,6 +521,7 @@ def summary_section(results: dict[str, Any]) -> str:
             )
     rows += recompute.summary_rows(results)
     rows += gpu.summary_rows(results)
+    rows += gpu_8b_report.summary_rows(results)
     if not rows:
         return ""
     return table(["", "target", "measured (funcshard / FSDP2)", "met"], rows) + "\n"
@@ -534,6 +544,8 @@ def sections(results: dict[str, Any], folder: Path, images: str) -> dict[str, st
         "compile": compile_section(results),
         "recompute": recompute.section(results),
         "gpu": gpu.section(results),
+        "gpu_8b": gpu_8b_report.section(results),
+        "main_job": main_job.section(results),
         "explain": explain_accuracy.section(results),
     }
 

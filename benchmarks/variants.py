@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -54,10 +55,12 @@ class Options:
     ``backward_prefetch`` / ``merge_bytes`` are funcshard's plan (FSDP2 keeps its defaults);
     ``module_groups`` gives FSDP2 explicit groups (each a list of module fqns sharded together,
     ``fully_shard([...])``) instead of one per module of ``group_types``. ``recompute``:
-    activation checkpointing of every group module -- FSDP2: ``checkpoint_wrapper``
+    activation checkpointing of every group module (``True``) or of those named (a tuple of
+    module names, e.g. ``("blocks.0", "blocks.1")``) -- FSDP2: ``checkpoint_wrapper``
     (non-reentrant) around each, then ``fully_shard`` on the wrappers (torchtitan's order);
-    funcshard: ``fs.plan(..., recompute=True)``. ``fused``: AdamW's fused kernel (``fused=`` of
-    ``torch.optim.AdamW`` and ``fs.optim.adamw``; ``None``: torch's default choice);
+    funcshard: ``fs.plan(..., recompute=True | [names])``; or ``OPS``, FSDP2 only:
+    [Note: torchtitan's selective activation checkpointing]. ``fused``: AdamW's fused kernel
+    (``fused=`` of ``torch.optim.AdamW`` and ``fs.optim.adamw``; ``None``: torch's default);
     ``capturable``: ``torch.optim.AdamW(capturable=True)``, its step counts on the device (a
     step inside a CUDA graph)."""
 
@@ -70,7 +73,7 @@ class Options:
     lr: float = 1e-3
     weight_decay: float = 0.1
     compile_backend: str = "inductor"  # the compiled variants' (``--quick``: aot_eager)
-    recompute: bool = False
+    recompute: bool | tuple[str, ...] | str = False  # str: OPS (FSDP2 only)
     fused: bool | None = None
     capturable: bool = False
 
@@ -108,8 +111,11 @@ def fsdp2(
 ) -> Trainer:
     """``fully_shard`` on every group module and the root; ``torch.optim.AdamW``. ``compiled``:
     the forward runs ``torch.compile(model)`` (``o.compile_backend``), the optimizer eager;
-    ``per_block``: each group module is compiled instead, before ``fully_shard`` (torchtitan)."""
+    ``per_block``: each group module is compiled instead, before ``fully_shard`` (torchtitan).
+    A model built on meta (``w.shards``) is sharded there, then given storage
+    (``to_empty``) and ``w.shards``' values, as torchtitan initialises it."""
     model = w.build()
+    initial = _initial(w, model, mesh) if w.shards is not None else None
     mp = MixedPrecisionPolicy(param_dtype=o.param_dtype, reduce_dtype=o.reduce_dtype)
     kw = dict(mesh=mesh, reshard_after_forward=o.reshard_after_forward, mp_policy=mp)
     counter = CompileCounterWithBackend(o.compile_backend) if compiled or per_block else None
@@ -123,6 +129,8 @@ def fsdp2(
     # the root: FSDP2's default (None) keeps it unsharded from forward to backward, as funcshard
     root = None if o.reshard_after_forward else False
     fully_shard(model, **{**kw, "reshard_after_forward": root})
+    if initial is not None:
+        _fill(model, *initial, device=mesh.device_type)
     net = torch.compile(model, backend=counter) if compiled else model
     return _torch_trainer(w, model, net, _adamw(model, o), counter)
 
@@ -192,19 +200,86 @@ def _compile_each(model, modules, backend) -> list[torch.nn.Module]:
     return out
 
 
-def _group_modules(model, types, recompute: bool) -> list[torch.nn.Module]:
-    """FSDP2's group modules, children before parents; with ``recompute``, each wrapped in a
-    non-reentrant ``checkpoint_wrapper`` first (the wrappers are returned)."""
+def _group_modules(model, types, recompute: bool | tuple[str, ...] | str) -> list[torch.nn.Module]:
+    """FSDP2's group modules, children before parents; with ``recompute`` (``True``: all; a tuple:
+    those named; ``"ops"``: all, torchtitan's selection of operators), each wrapped in a
+    non-reentrant ``checkpoint_wrapper`` first (the wrappers are returned in their place)."""
+    groups = [m for m in model.modules() if isinstance(m, types) and m is not model]
     if recompute:
+        names = {m: n for n, m in model.named_modules()}
+        every = recompute is True or recompute == OPS
+        chosen = {id(m) for m in groups if every or names[m] in recompute}
+        options = dict(context_fn=_every_other_matmul) if recompute == OPS else {}
         apply_activation_checkpointing(
             model,
             checkpoint_wrapper_fn=functools.partial(
-                checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
+                checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **options
             ),
-            check_fn=lambda m: isinstance(m, types) and m is not model,
+            check_fn=lambda m: id(m) in chosen,
         )
-        types = (CheckpointWrapper,)
-    return [m for m in reversed(list(model.modules())) if isinstance(m, types) and m is not model]
+        types = (*types, CheckpointWrapper)
+        wrapped = {id(m._checkpoint_wrapped_module) for m in model.modules()
+                   if isinstance(m, CheckpointWrapper)}  # fmt: skip
+        groups = [m for m in model.modules()
+                  if isinstance(m, types) and m is not model and id(m) not in wrapped]  # fmt: skip
+    return list(reversed(groups))
+
+
+# [Note: torchtitan's selective activation checkpointing]
+# torchtitan trains Llama 3 8B with "selective" activation checkpointing of every block, option
+# "op": inside each block's checkpoint, the outputs of attention and of every other matmul (the
+# 1st, 3rd, ... in the order the block runs them) are saved, and everything else -- the other
+# matmuls, norms, rotary embeddings, activations -- is recomputed in backward. funcshard's plan
+# recomputes whole groups (``recompute=True``, every k-th, or named groups), not operators.
+OPS = "ops"
+_aten = torch.ops.aten
+_SAVED = {  # besides every other matmul (the names SDPA dispatches to, by backend)
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten.max.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+}
+
+
+def _every_other_matmul():
+    """A checkpoint's ``context_fn``: [Note: torchtitan's selective activation checkpointing]."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    matmuls = {False: 0, True: 0}  # counted apart in the forward and in its recompute
+
+    def policy(ctx, func, *args, **kwargs):
+        if func is _aten.mm.default:
+            matmuls[ctx.is_recompute] += 1
+            keep = matmuls[ctx.is_recompute] % 2 == 1
+        else:
+            keep = func in _SAVED
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _initial(w: Workload, model: torch.nn.Module, mesh: DeviceMesh) -> tuple[dict, dict]:
+    """The model's initial parameters as shards over ``mesh``, and its buffers: ``w.shards``
+    for a model built on meta, else ``fs.shard`` of its own tensors."""
+    if w.shards is not None:
+        return w.shards(model, mesh)
+    params, buffers = fs.extract(model)
+    return fs.shard(params, mesh), buffers
+
+
+def _fill(model: torch.nn.Module, sharded: dict, buffers: dict, device: str) -> None:
+    """A model sharded by ``fully_shard`` on meta: storage on ``device``, then the values of
+    ``sharded`` (each rank's shard into FSDP2's) and ``buffers``, by name (wrappers' prefixes,
+    ``_checkpoint_wrapped_module`` and ``_orig_mod``, left out)."""
+    model.to_empty(device=device)
+    plain = lambda name: re.sub(r"(_checkpoint_wrapped_module|_orig_mod)\.", "", name)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            _local(p).copy_(_local(sharded[plain(name)]))
+        for name, b in model.named_buffers():
+            b.copy_(buffers[plain(name)])
 
 
 def fsdp2_compiled(w: Workload, mesh: DeviceMesh, o: Options) -> Trainer:
@@ -234,25 +309,26 @@ def funcshard(
     (inductor; with the ``aot_eager`` backend, the traced graph as it is), with ``graphed``
     through ``fs.cuda_graph`` too."""
     model = w.build()
-    params, buffers = fs.extract(model)
-    sharded = fs.shard(params, mesh)
+    sharded, buffers = _initial(w, model, mesh)
     plan = None if unshard else plan_for(w, model, o)
     model.to("meta")
-    del params
     opt = fs.optim.adamw(
         o.lr, weight_decay=o.weight_decay, fused=o.fused, capturable=graphed and not o.fused
     )
     box: dict[str, Any] = {"params": sharded, "state": opt.init(sharded), "grads": None}
+    # the buffers are an argument, not the loss's closure: under torch.compile a closure's
+    # tensors are constants of the graph, which inductor refuses where a scheduled block takes
+    # them as an argument (a Llama's rotary tables)
     if unshard:
 
-        def loss_fn(p, batch):
+        def loss_fn(p, batch, buffers):
             full = fs.unshard(p, param_dtype=o.param_dtype, reduce_dtype=o.reduce_dtype)
             return w.loss(fs.functional_call(model, (full, buffers), batch), batch)
 
     else:
         apply = fs.schedule(model, plan, param_dtype=o.param_dtype, reduce_dtype=o.reduce_dtype)
 
-        def loss_fn(p, batch):
+        def loss_fn(p, batch, buffers):
             return w.loss(apply(p, *batch, buffers=buffers), batch)
 
     leaves = lambda tree: [_local(t) for t in torch.utils._pytree.tree_leaves(tree)]
@@ -264,8 +340,8 @@ def funcshard(
     if compiled or graphed or jitted:
         vg = fs.value_and_grad(loss_fn)  # made once, outside the compiled function
 
-        def train_step(params, state, batch):
-            loss, grads = vg(params, batch)
+        def train_step(params, state, batch, buffers):
+            loss, grads = vg(params, batch, buffers)
             params, state = fs.optim.step(opt, params, grads, state)
             return loss, params, state
 
@@ -280,14 +356,15 @@ def funcshard(
             step = PoolCounted(fs.cuda_graph(step))
 
         def whole_step(batch):
-            loss, box["params"], box["state"] = step(box["params"], box["state"], batch)
+            loss, box["params"], box["state"] = step(box["params"], box["state"], batch, buffers)
             return loss.detach()
 
         whole_step.pool_extra = lambda: getattr(step, "pool_extra", 0)  # type: ignore[attr-defined]
+        whole_step.pool_measure = lambda: getattr(step, "pool_measure", "")  # type: ignore[attr-defined]
         return Trainer(whole_step, lambda: None, **trees, plan=plan, counter=counter)
 
     def forward_backward(batch):
-        loss, box["grads"] = fs.value_and_grad(loss_fn)(box["params"], batch)
+        loss, box["grads"] = fs.value_and_grad(loss_fn)(box["params"], batch, buffers)
         return loss
 
     def optimizer_step():
@@ -295,6 +372,21 @@ def funcshard(
         box["grads"] = None
 
     return Trainer(forward_backward, optimizer_step, **trees, plan=plan)
+
+
+def pool_free_bytes(pool: tuple[int, int], allocated: int, reserved: int) -> tuple[int, str]:
+    """What a CUDA graph's private memory pool ``pool`` holds beyond its live tensors, and how
+    it was measured: the free bytes of the pool's own segments (``torch.cuda.memory_snapshot``:
+    each segment names its pool), which only replays of the graph reuse. Where the snapshot
+    names no segment of the pool: the growth of reserved memory since ``reserved`` beyond the
+    growth of allocated memory since ``allocated`` -- a lower bound (``torch.cuda.graph``
+    empties the allocator's cache before it captures, so the pool can reuse freed segments)."""
+    segments = [s for s in torch.cuda.memory_snapshot() if s.get("segment_pool_id") is not None
+                and tuple(s["segment_pool_id"]) == tuple(pool)]  # fmt: skip
+    if segments:
+        return sum(s["total_size"] - s["allocated_size"] for s in segments), "pool segments"
+    live = torch.cuda.memory_allocated() - allocated
+    return max(0, torch.cuda.memory_reserved() - reserved - live), "lower bound"
 
 
 @dataclasses.dataclass
@@ -314,11 +406,12 @@ class Traces:
 
 @dataclasses.dataclass
 class PoolCounted:
-    """``graphed`` (``fs.cuda_graph``'s callable), with ``pool_extra`` measured around each
-    capture as :class:`Graphed` measures it."""
+    """``graphed`` (``fs.cuda_graph``'s callable), with ``pool_extra`` measured after its
+    capture (:func:`pool_free_bytes`) and how (``pool_measure``)."""
 
     graphed: Any
     pool_extra: int = 0
+    pool_measure: str = ""
 
     def __call__(self, *args):
         if self.graphed.graphs:  # captured: nothing to measure
@@ -328,8 +421,8 @@ class PoolCounted:
         out = self.graphed(*args)
         if self.graphed.graphs:
             torch.cuda.synchronize()
-            live = torch.cuda.memory_allocated() - allocated
-            self.pool_extra += max(0, torch.cuda.memory_reserved() - reserved - live)
+            pool = self.graphed.backend.pool
+            self.pool_extra, self.pool_measure = pool_free_bytes(pool, allocated, reserved)
         return out
 
 
@@ -351,7 +444,8 @@ class Graphed:
     capture raises, and if the captured step's parameters are not the tensors it started from
     (replays would not train: the graph writes new parameters where no replay reads them).
     ``pool_extra``: the bytes the graph's private pool holds beyond the tensors alive after the
-    capture (the activations' and temporaries' slots, kept for every replay)."""
+    capture (the activations' and temporaries' slots, kept for every replay;
+    :func:`pool_free_bytes`), ``pool_measure``: how they were measured."""
 
     trainer: Trainer
     warmup: int = 2
@@ -360,6 +454,7 @@ class Graphed:
     batch: tuple[torch.Tensor, ...] = ()
     loss: torch.Tensor | None = None
     pool_extra: int = 0
+    pool_measure: str = ""
 
     def __call__(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         self.calls += 1
@@ -391,8 +486,7 @@ class Graphed:
                 "the captured step returned new parameter tensors, not its inputs updated in "
                 "place: replaying the graph would not train (no replay reads the new ones)"
             )
-        live = torch.cuda.memory_allocated() - allocated
-        self.pool_extra = max(0, torch.cuda.memory_reserved() - reserved - live)
+        self.pool_extra, self.pool_measure = pool_free_bytes(graph.pool(), allocated, reserved)
         self.graph = graph
 
 
@@ -409,6 +503,11 @@ def cuda_graph(variant: Callable[..., Trainer]) -> Callable[..., Trainer]:
 
 def plan_for(w: Workload, model: torch.nn.Module, o: Options) -> fs.Plan:
     """funcshard's plan for ``model``: groups by ``w.group_types``, merged if ``o`` says so."""
+    if o.recompute == OPS:
+        raise ValueError(
+            "recompute='ops' (torchtitan's selection of operators) has no funcshard form: a plan "
+            "recomputes whole groups; pass True, or the names of the groups to recompute"
+        )
     plan = fs.plan(
         model,
         fs.policy.by_type(*w.group_types),

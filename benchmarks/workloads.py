@@ -23,7 +23,10 @@ from train_lm import LM, Block  # the main job's transformer
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """A model, how it is grouped (the same modules for FSDP2's ``fully_shard`` and for
-    ``fs.policy.by_type``), its per-rank batches and its loss."""
+    ``fs.policy.by_type``), its per-rank batches and its loss. ``shards``: for a model that
+    ``build`` makes on the meta device, ``shards(model, mesh) -> (sharded params, buffers)``, its
+    initial values straight into shards (``fs.materialize``); ``None``: ``build`` makes the real
+    tensors, which each framework shards itself."""
 
     name: str
     description: str
@@ -31,6 +34,7 @@ class Workload:
     group_types: tuple[type[nn.Module], ...]
     batch: Callable[[int, int], tuple[torch.Tensor, ...]]  # (step, rank) -> inputs
     loss: Callable[[torch.Tensor, tuple[torch.Tensor, ...]], torch.Tensor]
+    shards: Callable[[nn.Module, Any], tuple[dict, dict]] | None = None
 
     def to(self, device: torch.device) -> Workload:
         """The same workload with model and batches on ``device``."""

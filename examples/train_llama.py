@@ -234,7 +234,8 @@ def setup(a: argparse.Namespace) -> tuple[bool, str]:
 def main(argv: list[str] | None = None, interrupt: Interrupt | None = None) -> dict:
     """One rank of the run (under torchrun, or inside an existing group as the tests do).
     Returns ``{"losses": [mean training loss of each step run], "step": the last step,
-    "interrupted": whether Ctrl-C stopped it}``.
+    "interrupted": whether Ctrl-C stopped it, "parameters": the model's, "tokens_per_s": over
+    all ranks, without the first three steps (this rank's clock)}``.
 
     Raises:
         SystemExit: a bad flag (argparse's usage error).
@@ -356,7 +357,9 @@ def train(a: argparse.Namespace, device: str, interrupt: Interrupt) -> dict:
     if rank == 0 and stopped:
         saved = "; saved: continue with --resume" if a.ckpt_dir else " (no --ckpt-dir: not saved)"
         tqdm.write(f"stopped by Ctrl-C after step {step}{saved}")
-    return {"losses": losses, "step": step, "interrupted": stopped}
+    speed = a.batch * a.context / per_step(seconds) if seconds else 0.0
+    return {"losses": losses, "step": step, "interrupted": stopped, "parameters": n,
+            "tokens_per_s": speed}  # fmt: skip
 
 
 if __name__ == "__main__":  # a rank under torchrun

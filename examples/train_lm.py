@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import logging
 import os
 import shlex
@@ -80,6 +81,9 @@ class Config:
     bf16: bool = _flag(False, "bf16 parameters in forward and backward, fp32 gradient reduction")
     compile: bool = _flag(False, "trace the training step once and compile it (fs.jit, inductor): "
                           "a slower first step, faster steps after")  # fmt: skip
+    float8: bool = _flag(False, "float8 training of the blocks' linears (torchao's "
+                         "convert_to_float8_training), their weights gathered in float8 "
+                         "(docs/low_precision.md)")  # fmt: skip
     seed: int = _flag(0, "seed of the initial model and of the batches")
     data_mb: float = _flag(4.0, "megabytes of the standard library to read as text")
     # evaluation and output
@@ -184,6 +188,11 @@ def problems(cfg: Config, world: int | None = None) -> list[str]:
         wrong.append("--resume needs --ckpt-dir: the folder whose newest checkpoint to load")
     if cfg.save_every and not cfg.ckpt_dir:
         wrong.append("--save-every needs --ckpt-dir: the folder to save the checkpoints in")
+    if cfg.float8 and cfg.width % 16:
+        wrong.append(f"--float8 multiplies by float8 matrices in blocks of 16: --width "
+                     f"{cfg.width} must be a multiple of 16")  # fmt: skip
+    if cfg.float8 and importlib.util.find_spec("torchao") is None:
+        wrong.append("--float8 needs torchao: pip install torchao")
     return wrong
 
 
@@ -415,9 +424,19 @@ def gpt2_init(depth: int):
 
 
 def build(cfg: Config, vocab: int, mesh) -> tuple[LM, fs.Plan]:
-    """The model on the meta device (shapes only), and its plan: one group per block."""
+    """The model on the meta device (shapes only), and its plan: one group per block. With
+    ``--float8``, the blocks' linears are float8 training's (``fs.materialize`` makes their
+    weights as such, and each group gathers them in float8: docs/low_precision.md)."""
     with torch.device("meta"):
         model = LM(vocab, cfg.width, cfg.heads, cfg.depth, cfg.context, cfg.dropout)
+    if cfg.float8:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(
+            model,
+            module_filter_fn=lambda _, fqn: fqn.startswith("blocks."),  # not the tied head
+            config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+        )
     full_batch = torch.zeros(cfg.batch, cfg.context, dtype=torch.long, device="meta")
     example = rows(full_batch, mesh.get_rank(), mesh.size())
     return model, fs.plan(model, fs.policy.by_type(Block), example_args=(example,))

@@ -402,15 +402,23 @@ def test_gpu_part_runs_quick_on_cpu(tmp_path):
         assert row["loss_gap"] < 1e-2, (label, row["loss"], rows["plain torch"]["loss"])
     assert rows["FSDP2"]["loss_gap_eager"] is None  # an eager step has no eager twin
     assert rows["FSDP2 + compile per block"]["loss_gap_eager"] < 1e-3
-    # the targets: every step-time one (CUDA graphs: not measured here), then the first step's
-    assert [t[:3] for t in cfg["targets"]] == [list(t) for t in gpu.TARGETS] + [
-        [f"{a}, first step", f"{b}, first step", at] for a, b, at in gpu.FIRST_CALL_TARGETS
-    ]
+    # the targets: every step-time one (CUDA graphs: not measured here), the first step's, a
+    # graph's memory (not measured here), AdamW alone (the fused kernel; capturable: CUDA only)
+    firsts = [[f"{a}, first step", f"{b}, first step", at] for a, b, at in gpu.FIRST_CALL_TARGETS]
+    memory = [[f"{a}, peak memory", f"{b}, peak memory", at] for a, b, at in gpu.MEMORY_TARGETS]
+    expected = [*map(list, gpu.TARGETS), *firsts, *memory, *map(list, gpu.OPTIMIZER_TARGETS)]
+    assert [t[:3] for t in cfg["targets"]] == expected
+    targets = {t[0]: t[3] for t in cfg["targets"]}
     first = (
         rows["funcshard, compiled"]["first_call_s"]
         / rows["FSDP2 + compile per block"]["first_call_s"]
     )
-    assert cfg["targets"][-1][3] == pytest.approx(first)
+    assert targets["funcshard, compiled, first step"] == pytest.approx(first)
+    assert targets["funcshard, CUDA graph, peak memory"] is None
+    adamw = cfg["optimizer"]
+    fused = adamw["fs.optim.adamw(fused=True)"] / adamw["torch.optim.AdamW(fused=True)"]
+    assert targets["fs.optim.adamw(fused=True)"] == pytest.approx(fused)
+    assert targets["fs.optim.adamw(capturable=True)"] is None
     table = gpu.section({"gpu-cpu-tiny": r})
     assert all(f"| {label} |" in table for label in rows)
     assert "| plain torch, CUDA graph | skipped: CUDA graphs need a CUDA device" in table
@@ -432,7 +440,14 @@ def test_gpu_part_at_fake_ranks_counts_calls(tmp_path):
     for label in ("FSDP2", "funcshard"):
         row = cfg["rows"][label]
         assert 0 < row["launches"] < row["aten_calls"], (label, row)
-    assert [t[:3] for t in cfg["targets"]] == [list(t) for t in gpu.TARGETS_RANKS]
+    memory = [[f"{a}, peak memory", f"{b}, peak memory", at] for a, b, at in gpu.MEMORY_TARGETS]
+    counts = [[f"funcshard, {k}", f"FSDP2, {k}", 1.0] for k in ("aten_calls", "launches")]
+    expected = [*map(list, gpu.TARGETS_RANKS), *memory, *counts, *map(list, gpu.OPTIMIZER_TARGETS)]
+    assert [t[:3] for t in cfg["targets"]] == expected
+    targets = {t[0]: t[3] for t in cfg["targets"]}
+    for key in ("aten_calls", "launches"):  # funcshard's count per step over FSDP2's
+        ratio = cfg["rows"]["funcshard"][key] / cfg["rows"]["FSDP2"][key]
+        assert targets[f"funcshard, {key}"] == pytest.approx(ratio)
     assert {"fs.optim.adamw(fused=True)", "torch.optim.AdamW(fused=True)"} <= set(cfg["optimizer"])
     table = gpu.section({"gpu-cpu-tiny-fake8": r})
     assert "**tiny, 8 fake ranks**" in table and "AdamW alone on the shards" in table
@@ -459,3 +474,15 @@ def test_gpu_part_keeps_a_failure_in_full():
     cells = gpu._cells(row)
     assert cells[0] == f"failed (build and first steps): `{row['error']}`"
     assert len(cells) == len(gpu.HEADER) - 1
+
+
+def test_lowp_part_gathers_what_fsdp2_gathers(world2):
+    """``benchmarks/lowp.py`` on a small float8 model: the same bytes each way as FSDP2, and the
+    same trained parameters."""
+    pytest.importorskip("torchao")
+    from benchmarks import lowp
+
+    for r in world2.run(lowp.measure, "float8", width=128, blocks=1, tokens=16, steps=1):
+        assert r["max |funcshard - FSDP2| of the trained parameters"] == 0
+        assert r["funcshard all-gathered KiB"] == r["FSDP2 all-gathered KiB"] > 0
+        assert r["funcshard reduce-scattered KiB"] == r["FSDP2 reduce-scattered KiB"] > 0

@@ -1,9 +1,11 @@
 """Mistakes that used to fail deep inside torch with a cryptic message (or silently) now raise
 before compute, on every rank, naming the parameter, module or field and the fix; and the
-documented outcomes (zero gradients for a value that does not use the parameters) hold, checked
+documented outcomes (zero gradients for parameters the value does not use) hold, checked
 against plain autograd on the unsharded model."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -69,14 +71,35 @@ def named_errors():
         ValueError,
         "'1' (BatchNorm1d) is training with its running statistics in bfloat16",
     )
-    # a value that does not use the parameters: zero gradients (docs/value_and_grad.md)
-    value, grads = fs.value_and_grad(lambda p, x: (fs.unshard(p), x.sum())[1])(sharded, x)
-    zeros = all(torch.equal(g.full_tensor(), torch.zeros(g.shape)) for g in grads.values())
-    _, ref = fs.testing.reference_value_and_grad(
-        lambda p, x: x.sum() + 0 * p["ids"].sum(), {**params, "ids": torch.arange(3)}, x
+
+    # a value without autograd history: raised, naming the likely cause
+    def no_grad_loss(p, x):
+        with torch.no_grad():
+            return fs.functional_call(model, fs.unshard(p), (x,)).sum()
+
+    found["no history"] = raises(
+        lambda: fs.value_and_grad(no_grad_loss)(sharded, x), ValueError, "torch.no_grad()"
     )
-    found["zero grads"] = (zeros and torch.equal(value, x.sum())) or "not zeros"
-    found["reference int"] = ref["ids"] is None and torch.equal(ref["0.bias"], torch.zeros(8))
+    found["detached"] = raises(
+        lambda: fs.value_and_grad(lambda p, x: (fs.unshard(p), x.sum())[1])(sharded, x),
+        ValueError,
+        "without autograd history",
+    )
+
+    # a value that uses some of the parameters: zeros for the others (docs/value_and_grad.md)
+    def bias_only(p, x):
+        return (fs.unshard(p)["0.bias"] * x[:, :8]).mean()
+
+    value, grads = fs.value_and_grad(bias_only)(sharded, x)
+    ref_value, ref = fs.testing.reference_value_and_grad(
+        lambda p, x: (p["0.bias"] * x[:, :8]).mean() + 0 * p["ids"].sum(),
+        {**params, "ids": torch.arange(3)},
+        x,
+    )
+    zeros = all(torch.equal(grads[k].full_tensor(), ref[k]) for k in grads if k != "0.bias")
+    close = torch.allclose(grads["0.bias"].full_tensor(), ref["0.bias"])
+    found["zero grads"] = (zeros and close and torch.equal(value, ref_value)) or "not zeros"
+    found["reference int"] = ref["ids"] is None and torch.equal(ref["0.weight"], torch.zeros(8, 16))
     found["after"] = torch.equal(
         vg(sharded, x)[0],
         fs.testing.reference_value_and_grad(
@@ -90,7 +113,7 @@ def test_mistakes_are_named_on_every_rank(world2):
     for found in world2.run(named_errors):
         assert found == {
             **dict.fromkeys(["shape", "float64", "nested", "argnums", "bf16 input"]),
-            **dict.fromkeys(["buffers", "bn bf16"]),
+            **dict.fromkeys(["buffers", "bn bf16", "no history", "detached"]),
             "zero grads": True,
             "reference int": True,
             "after": True,
@@ -142,6 +165,43 @@ def test_an_empty_batch_on_one_rank_as_documented(world2):
     assert not nan0 and nan1  # the NaN is only in the empty rank's loss value
     assert right < 1e-6  # sum / global count with grad_reduce="sum": the global mean's
     assert also < 1e-6  # grad_reduce="weighted": the same
+
+
+def no_grad_forward_on_some_ranks():
+    """A loss whose forward runs under ``torch.no_grad()``: on one rank only, an error on every
+    rank at the forward's first call (it computes gradients on one rank and not the other),
+    before any collective; on every rank, each rank's own error; then, in step, the right
+    gradients (the unsharded model's)."""
+    model, params = _model()
+    sharded = fs.shard(params, mesh(2))
+    apply = fs.schedule(model, fs.plan(model, fs.policy.by_type(nn.Linear)))
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(dist.get_rank()))
+
+    def loss(p, x, without):
+        with torch.no_grad() if without else contextlib.nullcontext():
+            return apply(p, x).pow(2).mean()
+
+    found = {
+        "one rank": raises(
+            lambda: fs.value_and_grad(loss)(sharded, x, dist.get_rank() == 1),
+            ValueError,
+            "ranks disagree at '<computes gradients>' (rank 0: True; rank 1: False)",
+        ),
+        "every rank": raises(
+            lambda: fs.value_and_grad(loss)(sharded, x, True), ValueError, "torch.no_grad()"
+        ),
+    }
+    _, grads = fs.value_and_grad(loss)(sharded, x, False)
+    _, ref = fs.testing.reference_value_and_grad(
+        lambda p, x: fs.functional_call(model, p, (x,)).pow(2).mean(), params, x
+    )
+    found["after"] = all(torch.allclose(grads[k].full_tensor(), ref[k]) for k in ref)
+    return found
+
+
+def test_a_loss_without_gradients_is_an_error_on_every_rank(world2):
+    expected = {"one rank": None, "every rank": None, "after": True}
+    assert world2.run(no_grad_forward_on_some_ranks) == [expected, expected]
 
 
 class KeepsAView(nn.Module):

@@ -96,43 +96,43 @@ def test_a_rank_dying_before_the_check_is_named_within_seconds(world2):
     assert "has exited" in info.value.errors[0] or "zombie" in info.value.errors[0]
 
 
-class Skipping(nn.Module):
-    """Three blocks; ``skip`` leaves out the middle one (a data-dependent branch)."""
+class Dropping(nn.Module):
+    """Three blocks; ``drop`` computes the last two and drops their output (a data-dependent
+    branch). Inside ``torch.func`` nothing of funcshard runs in backward, so the dropping rank's
+    backward lacks their reduce-scatters: the collectives differ (see docs/failures.md)."""
 
     def __init__(self):
         super().__init__()
         self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 6), nn.Linear(6, 4)])
         self.out = nn.Linear(4, 1)
 
-    def forward(self, x, skip: bool):
+    def forward(self, x, drop: bool):
         h = self.blocks[0](x)
-        if not skip:
-            h = self.blocks[2](self.blocks[1](h).relu())
-        return self.out(h)
+        later = self.blocks[2](self.blocks[1](h).relu())
+        return self.out(h if drop else later)
 
 
 def diverging_forwards(debug: str):
     torch.manual_seed(0)
-    model = Skipping()
+    model = Dropping()
     params, _ = fs.extract(model)
     plan = fs.plan(model, fs.policy.by_type(nn.Linear))
     apply = fs.schedule(model, plan)
     model.to("meta")
-    sharded = fs.shard(params, mesh(2))
-    skip = dist.get_rank() == 0
-    loss = lambda p, x: apply(p, x, skip).sum()
+    sharded = fs.to_local(fs.shard(params, mesh(2)))
+    drop = dist.get_rank() == 0
+    step = lambda: torch.func.grad(lambda p, x: apply(p, x, drop).sum())(sharded, torch.ones(2, 4))
     if debug == "argument":
         with fs.checking_collectives():
-            found = _caught(lambda: fs.value_and_grad(loss)(sharded, torch.ones(2, 4)))
+            found = _caught(step)
     else:
         with mock.patch.dict(os.environ, {"FUNCSHARD_DEBUG": "1"}):
-            found = _caught(lambda: fs.value_and_grad(loss)(sharded, torch.ones(2, 4)))
+            found = _caught(step)
     # still in step: the next calls pair up, with the values of the unsharded model
     after = fs.unshard(fs.shard({"w": torch.arange(6.0)}, mesh(2)))["w"]
     return found, torch.equal(after, torch.arange(6.0))
 
 
-@pytest.mark.filterwarnings("ignore:funcshard")  # the out-of-plan warning of the skipping rank
 @pytest.mark.parametrize("debug", ["argument", "environment"])
 def test_debug_mode_turns_diverging_collectives_into_an_error_on_every_rank(world2, debug):
     for found, in_step in world2.run(diverging_forwards, debug):
@@ -140,7 +140,7 @@ def test_debug_mode_turns_diverging_collectives_into_an_error_on_every_rank(worl
         message = found[1]  # the group, and what each rank was about to do
         assert "the ranks of process group [0, 1] are about to issue different" in message
         assert "rank 0: reduce_scatter of 20 float32 for 'blocks.0'" in message, message
-        assert "rank 1: all_gather of 15 float32 for 'blocks.1'" in message, message
+        assert "rank 1: reduce_scatter of 28 float32 for 'blocks.2'" in message, message
         assert in_step
 
 

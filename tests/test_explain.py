@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import funcshard as fs
+
 # ---- accuracy against the real step, on 2 gloo ranks ---------------------------------------
 # The reference is independent of the ledger: the allocator's own events for the peak
 # (``peak_bytes(this_thread=True)`` plus what is resident before the step) and torch.profiler's
@@ -138,3 +140,78 @@ def test_private_torch_apis_explain_runs_on():
         del y, storage
         assert dead == [True]
     assert isinstance(x, FakeTensor) and ("mm", "FakeTensor") in seen
+
+
+# ---- grouped matmuls (a mixture's experts) in float32 ---------------------------------------
+GROUPS, K, N = 4, 8, 12  # rows of 16-byte multiples, as the CPU kernel wants
+OFFSETS = (3, 3, 7, 10)  # cumulative rows per group (group 1 gets none)
+
+
+def _grouped_layouts():
+    """``(mat_a, mat_b)`` of the three ways a mixture of experts calls ``aten._grouped_mm``:
+    tokens times stacked weights (forward), times their transpose (the input's gradient), and
+    tokens' transpose times the output's gradient (the weights' gradient)."""
+    g = torch.Generator().manual_seed(0)
+    rows = OFFSETS[-1]
+    x, w = torch.randn(rows, K, generator=g), torch.randn(GROUPS, K, N, generator=g)
+    dy = torch.randn(rows, N, generator=g)
+    return [(x, w), (dy, w.transpose(-2, -1)), (x.t(), dy)]
+
+
+def test_private_torch_api_of_grouped_mm():
+    """``torch._meta_registrations._create_grouped_mm_output_tensor`` makes what the real CPU
+    kernel returns in float32 (size, strides, dtype), and torch's fake kernel of
+    ``aten._grouped_mm`` still refuses float32 -- which is why ``_compat.fake_kernel`` uses
+    the former (see [Note: grouped matmuls on fake tensors]). Fails on a torch upgrade that
+    changes either: then the rule may go."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from funcshard._runtime._compat import _create_grouped_mm_output_tensor
+
+    offs = torch.tensor(OFFSETS, dtype=torch.int32)
+    for a, b in _grouped_layouts():
+        real = torch._grouped_mm(a, b, offs=offs)
+        made = _create_grouped_mm_output_tensor(a, b, offs, torch.float32)
+        assert (made.shape, made.stride(), made.dtype) == (real.shape, real.stride(), real.dtype)
+    a, b = _grouped_layouts()[0]
+    with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(RuntimeError, match="BF16"):
+        torch._grouped_mm(a, b, offs=offs)
+
+
+class Experts(torch.nn.Module):
+    """A mixture's experts, stacked, computed by one grouped matmul (as Hugging Face's
+    Mixtral, Qwen3-MoE and DeepSeek-V3 do through ``torch.nn.functional.grouped_mm``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(GROUPS, K, N))
+
+    def forward(self, x, offs):
+        return torch._grouped_mm(x, self.w, offs=offs)
+
+
+def test_grouped_matmuls_in_float32_are_explained():
+    """The fake step of a float32 grouped matmul runs (torch's fake kernel takes bf16 only),
+    and its FLOPs are those ``torch.utils.flop_counter`` counts for the same step written as
+    one matmul per expert (forward, and the weights' gradient)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from funcshard._pricing._fake_world import fake_world
+
+    with fake_world(2) as mesh:
+        model = Experts()
+        params, _ = fs.extract(model)
+        sharded = fs.shard(params, mesh)
+        apply = fs.schedule(model, fs.plan(model, fs.policy.by_type(Experts)))
+        model.to("meta")
+        x, offs = torch.randn(OFFSETS[-1], K), torch.tensor(OFFSETS, dtype=torch.int32)
+        hardware = fs.Hardware({torch.float32: 1e10}, 1e10, 1e-6, 1e9, 1e-5)
+        e = fs.explain(apply, sharded, x, offs, hardware=hardware)
+    w = params["w"].detach().requires_grad_()
+    with FlopCounterMode(display=False) as counter:
+        starts = (0, *OFFSETS[:-1])
+        out = torch.cat(
+            [x[s:end] @ w[i] for i, (s, end) in enumerate(zip(starts, OFFSETS, strict=True))]
+        )
+        out.sum().backward()
+    assert e.flops == counter.get_total_flops() == 2 * 2 * OFFSETS[-1] * K * N

@@ -38,6 +38,7 @@ TESTING = "The testing harness: fs.testing"
 COMPILE = "Compiling: fs.jit and torch.compile"
 CUDA_GRAPH = "CUDA graphs: fs.cuda_graph"
 EXPLAIN_CLI = "Explaining a step: fs.explain, python -m funcshard.explain"
+LOW_PRECISION = "Low-precision weights: tensor subclasses"
 
 # The page section of each raise site: "file::function" first, then the file, then its folder.
 AREAS = {
@@ -49,7 +50,8 @@ AREAS = {
     "_trees/_parallel.py": SHARDING,
     "_communication/_consensus.py": TREES,
     "_communication/_store.py": TREES,
-    "_communication/_liveness.py": TREES,
+    "_communication/_hangs.py": TREES,
+    "_communication/_peers.py": TREES,
     "_communication/_debug.py": TREES,
     "_trees/_tree.py": TREES,
     "_execution/_autodiff.py": GRADIENTS,
@@ -69,6 +71,7 @@ AREAS = {
     "_execution/_cuda_graph.py": CUDA_GRAPH,
     "_execution/_host.py": CUDA_GRAPH,
     "_execution/_jit.py": COMPILE,
+    "_execution/_jit_trace.py": COMPILE,
     "_pricing/_explain.py": EXPLAIN_CLI,
     "_pricing/_autoplan.py": EXPLAIN_CLI,
     "_pricing/_explain_plot.py": EXPLAIN_CLI,
@@ -84,6 +87,8 @@ AREAS = {
     "_communication/_collectives.py": TORCH_FUNC,
     "_runtime/_mode.py": TORCH_FUNC,  # refuse_jacfwd
     "_communication/_flat.py": TORCH_FUNC,
+    "_communication/_packed.py": LOW_PRECISION,
+    "_trees/_subclass.py": LOW_PRECISION,
     "transforms/_materialize.py": INIT,
     "_trees/_materialize_steps.py": INIT,
     "optim/": OPTIM,
@@ -119,6 +124,8 @@ INDIRECT = {
         "RuntimeError",
         ["reads a device value on the host", "a copy between host"],
     ),
+    # the deferred error's text (_deviation.out_of_plan), warned at once
+    "_execution/_schedule.py::_Run._outside": ("UserWarning", ["last run of it had passed"]),
     "_plans/_plan.py::_validate": (
         "ValueError",
         ["cannot recompute its forward"],

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import funcshard as fs
-from funcshard._communication import _liveness
+from funcshard._communication import _liveness, _peers
 from funcshard.testing import _pool
 
 from _mesh import mesh
@@ -28,7 +28,7 @@ _WAIT = "2"  # FUNCSHARD_WAIT_TIMEOUT in the hang cases: seconds
 
 def _elsewhere():
     """Make this rank look as if it ran on a host of its own (no pid checks by its peers)."""
-    _liveness._HOST = f"elsewhere-{dist.get_rank()}"
+    _peers.HOST = f"elsewhere-{dist.get_rank()}"
     _liveness.start()
 
 
@@ -40,16 +40,20 @@ def dies_before_the_first_exchange():
     sharded = fs.shard({"w": torch.ones(4)}, mesh(2))  # a funcshard call: the heartbeat runs
     if dist.get_rank() == 1:
         os._exit(3)
-    fs.unshard(sharded)
+    with mock.patch.dict(os.environ, {"FUNCSHARD_WAIT_TIMEOUT": "6"}):
+        fs.unshard(sharded)
 
 
-def test_a_rank_on_another_host_that_dies_before_its_first_exchange_is_named(world2):
-    # the pool stops the survivors 10 s after a rank died (instead of 1 s), far below the
-    # process group's timeout (240 s): rank 0 must name it before that
-    with mock.patch.object(_pool, "_GRACE", 10.0), pytest.raises(fs.testing.RankError) as info:
+def test_a_rank_on_another_host_that_dies_silently_is_named_at_the_limit_with_its_silence(world2):
+    # a silent heartbeat alone is no proof of death (a paused rank is silent too): rank 0 names
+    # rank 1 at its wait's limit (6 s here), far below the process group's timeout (240 s),
+    # with how long it has been silent; the pool stops the survivors 30 s after a rank died
+    with mock.patch.object(_pool, "_GRACE", 30.0), pytest.raises(fs.testing.RankError) as info:
         world2.run(dies_before_the_first_exchange)
     message = info.value.errors[0]
-    assert "rank 1 is gone (no heartbeat for" in message, message
+    assert "ranks [1] did not get there" in message, message
+    assert "rank 1: no answer within 4 s, no heartbeat for " in message, message
+    assert "runs on host elsewhere-1, which this rank cannot inspect" in message, message
 
 
 class Dying(nn.Module):
@@ -274,7 +278,7 @@ def test_the_wait_limit_must_be_a_positive_number():
         mock.patch.dict(os.environ, {"FUNCSHARD_WAIT_TIMEOUT": "soon"}),
         pytest.raises(ValueError, match="FUNCSHARD_WAIT_TIMEOUT='soon'"),
     ):
-        _liveness.limit(Store())
+        _peers.limit(Store())
 
 
 # ---- exit -----------------------------------------------------------------------------------

@@ -198,7 +198,8 @@ class ReinitsChild(nn.Module):
 
 
 class Rotary(nn.Module):
-    """A buffer computed from data in ``__init__``: cannot be recovered from meta."""
+    """A buffer computed from constants in ``__init__``: cannot be recovered from meta (built
+    under ``fs.on_meta()``, it is recorded: tests/test_materialize_models.py)."""
 
     def __init__(self, n: int = 6) -> None:
         super().__init__()
@@ -310,7 +311,8 @@ def errors():
             ValueError,
             "'rope.cos'",
             "Rotary 'rope'",
-            "buffer computed from data",
+            "a table from torch.arange) are recorded if the module is built under `with "
+            "fs.on_meta() as construction:`",
         ),
         raises(
             lambda: fs.materialize(

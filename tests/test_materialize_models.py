@@ -18,6 +18,7 @@ import funcshard as fs
 from funcshard._runtime._profiling import peak_bytes
 from funcshard._trees._construction import recorded
 
+from _hf import build
 from _mesh import mesh
 from _models import ResNet, resnet_init
 
@@ -108,6 +109,90 @@ def test_hugging_face_without_init_says_what_to_pass(world1):
     ((messages, error),) = world1.run(hf_without_init)
     assert any("init=model._init_weights" in m and "LlamaForCausalLM" in m for m in messages)
     assert "LlamaRMSNorm" in error
+
+
+def hf_family(name: str) -> tuple:
+    """A family of the real-model suite (``_hf``) built under ``fs.on_meta()`` and
+    materialised with its ``_init_weights``, against its normal build."""
+    ref_params, ref_buffers = fs.extract(build(name))  # seed 0, as below
+    with fs.on_meta() as construction:
+        meta = build(name)
+    full, buffers, messages = materialized(meta, init=meta._init_weights, construction=construction)
+    return mismatches(full, ref_params), mismatches(buffers, ref_buffers), messages
+
+
+@pytest.mark.parametrize(
+    "name", ["qwen3", "gemma3", "phi3", "qwen3moe", "deepseek", "whisper", "clip", "mamba"]
+)
+def test_hugging_face_families_on_meta(world2, name):
+    """Equal to the normal build, CLIP's ``logit_scale`` included: a parameter made from
+    ``torch.tensor(constant)`` in ``__init__`` that ``_init_weights`` never writes."""
+    pytest.importorskip("transformers")
+    assert world2.run(hf_family, name) == [([], [], [])] * 2
+
+
+def clip_on_plain_meta() -> str:
+    with torch.device("meta"):
+        meta = build("clip")
+    try:
+        materialized(meta, init=meta._init_weights)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_constant_without_on_meta_says_what_to_pass(world1):
+    """Built under ``torch.device("meta")``, CLIP's ``logit_scale`` has no value: the error
+    names it and ``fs.on_meta()``."""
+    pytest.importorskip("transformers")
+    (error,) = world1.run(clip_on_plain_meta)
+    assert error.startswith("materialize: 'logit_scale' of the root module (CLIPModel)"), error
+    assert "`with fs.on_meta() as construction:`" in error
+
+
+class Constants(nn.Module):
+    """Values made from constants in ``__init__``, none written by a ``reset_parameters()``;
+    and one drawn at random."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(2.6592))  # CLIP's logit_scale
+        self.logit = nn.Parameter(torch.ones([]) * math.log(1 / 0.07))  # OpenCLIP's
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # a rotary table
+        self.shift = nn.Parameter(torch.zeros(d).add_(0.5))  # written in place
+        self.table = nn.Parameter(torch.as_tensor([[1.0, 2.0], [3.0, 4.0]]).t().contiguous())
+        self.noise = nn.Parameter(torch.randn(d) * 0.02)  # random: no record
+
+
+def constants() -> tuple:
+    torch.manual_seed(0)
+    ref_params, ref_buffers = fs.extract(Constants())
+    with fs.on_meta() as construction:
+        meta = Constants()
+
+    def init(name, m):  # only the random one
+        if name == "":
+            m.noise.normal_(std=0.02)
+
+    full, buffers, messages = materialized(meta, init=init, construction=construction)
+    same = {k: torch.equal(full[k], v) for k, v in ref_params.items() if k != "noise"}
+    same |= {k: torch.equal(buffers[k], v) for k, v in ref_buffers.items()}
+    try:
+        materialized(meta, construction=construction)  # without init: the random one
+    except ValueError as e:
+        error = str(e)
+    return same, messages, error
+
+
+def test_on_meta_records_values_made_from_constants(world2):
+    """``torch.tensor`` / ``torch.as_tensor`` of data, and what is computed from constants only
+    (out of place or in place), are replayed bit for bit; a value computed from a random one
+    is not recorded, and is named when nothing writes it."""
+    for same, messages, error in world2.run(constants):
+        assert same == dict.fromkeys(["scale", "logit", "shift", "table", "inv_freq"], True), same
+        assert messages == []
+        assert error.startswith("materialize: 'noise' of the root module (Constants)"), error
 
 
 # ResNet ---------------------------------------------------------------------------------------

@@ -10,12 +10,12 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from test_real_models import batch, block_types, build
 from test_record_real import POLICY, _setup, _x
 from torch import nn
 
 import funcshard as fs
 
+from _hf import batch, block_types, build
 from _mesh import mesh
 
 
@@ -44,8 +44,8 @@ def test_keyword_only_examples_on_meta():
 
 
 def out_of_order():
-    """The schedule's warning for a plan whose order is not the forward's, then its fix: the
-    plan recorded from inputs like the call's, as keywords."""
+    """The schedule's warning for a plan whose order is not the forward's (and its error, at the
+    next call), then its fix: the plan recorded from inputs like the call's, as keywords."""
     torch.manual_seed(0)
     net = Reversed()
     params, _ = fs.extract(net)
@@ -55,9 +55,12 @@ def out_of_order():
     x = torch.randn(2, 4)
     with pytest.warns(UserWarning, match=r"example_kwargs=\{...\}\)\), or pass order="):
         fs.schedule(net, fs.plan(net, policy))(sharded, x=x)
+    fixed = fs.schedule(net, fs.plan(net, policy, example_kwargs={"x": x}))
+    with pytest.raises(RuntimeError, match="forward used group 'first'"):  # the next call
+        fixed(sharded, x=x)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        fs.schedule(net, fs.plan(net, policy, example_kwargs={"x": x}))(sharded, x=x)
+        fixed(sharded, x=x)
     return True
 
 

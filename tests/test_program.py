@@ -69,12 +69,15 @@ def test_cursor_steps_over_skipped_runs():
     cursor = Cursor(lower(_plan(), Mode.EAGER, frozenset()).forward)
     assert cursor.current() is None
     assert cursor.find("2") == 2
-    assert _ops(cursor.advance(2)) == [
-        "all_gather 0", "wait 0", "all_gather 1", "free 0", "wait 1", "all_gather 2",
-        "free 1", "wait 2",
-    ]  # fmt: skip
+    runs = cursor.advance(2)
+    assert [group for _, group in runs] == ["0", "1", "2"]  # 0 and 1 skipped, then 2
+    assert [_ops(steps) for steps, _ in runs] == [
+        ["all_gather 0", "wait 0", "all_gather 1"],
+        ["free 0", "wait 1", "all_gather 2"],
+        ["free 1", "wait 2"],
+    ]
     assert cursor.current() == "2" and cursor.find("0") is None
-    assert _ops(cursor.rest()) == ["free 2"]
+    assert [(_ops(steps), group) for steps, group in cursor.rest()] == [(["free 2"], None)]
     assert cursor.rest() == []
 
 

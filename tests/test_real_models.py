@@ -1,10 +1,9 @@
-"""Real models nobody on the project wrote, on 2 gloo ranks: Hugging Face ``transformers`` models
-built from small configs (no download): GPT-2 (tied head) and Llama, each with and without
-activation checkpointing (``torch.utils.checkpoint`` per layer); T5 (an encoder-decoder), Mixtral
-(a mixture of experts: each layer's experts a group of their own, stored on an expert mesh),
-BERT (a masked LM, its head tied to the embeddings) and ViT (image classification), each with and
-without the plan's recompute; and a ResNet-18-shaped network with BatchNorm (``_models.ResNet``:
-torchvision's wheels for our torch are CUDA builds).
+"""Real models nobody on the project wrote, on 2 gloo ranks (``_hf``): Hugging Face
+``transformers`` families built from small configs (no download) -- GPT-2 and Llama, each with
+and without activation checkpointing (``torch.utils.checkpoint`` per layer); T5, Mixtral, BERT,
+ViT, Qwen3, Gemma3, Phi3, Qwen3-MoE, DeepSeek-V3, Whisper, CLIP and Mamba, each with and without
+the plan's recompute (the experts of the mixtures on an expert mesh) -- and a
+ResNet-18-shaped network with BatchNorm.
 
 Each goes through the documented pattern (``fs.extract``, ``module.to("meta")``, ``fs.shard``,
 ``fs.plan`` + ``fs.schedule``, ``fs.unshard`` + ``fs.functional_call``, ``fs.reduce``,
@@ -13,13 +12,17 @@ global batch (loss, every gradient, the buffers), FSDP2 (``fully_shard`` per blo
 in bf16 with float32 reductions, collectives counted), ``torch.optim.AdamW`` on the unsharded
 model for a few ``fs.optim.adamw`` steps (also with the module's own stale weights left in
 place), a plan recorded from real inputs (given as keywords, as a user passes a batch), and
-``torch.func.grad`` over the DTensor tree.
+``torch.func.grad`` over the DTensor tree. ``fs.explain`` of the mixtures in float32 is checked
+against their real step's collectives.
 
-[Note: the ResNet's reference]
-BatchNorm in training mode normalises over each rank's own batch, so the gradient of the global
-batch is not what data parallelism computes (docs/testing.md). The ResNet's unsharded reference
-is therefore the mean over ranks of each rank's batch run on its own copy of the unsharded
-model (what DDP computes), and its running statistics are compared with that copy's.
+[Note: losses over each rank's own batch]
+BatchNorm in training mode normalises over each rank's own batch, and a contrastive loss
+(CLIP's) scores each caption against the images of its own batch only: in both, a sample's loss
+depends on the rest of the rank's batch, so the gradient of the global batch is not what data
+parallelism computes (docs/testing.md; docs/failures.md for the contrastive loss over the global
+batch). Their unsharded reference (:data:`_hf.OWN_BATCH`) is therefore the mean over ranks of
+each rank's batch run on its own copy of the unsharded model (what DDP computes), and the
+ResNet's running statistics are compared with that copy's.
 """
 
 from __future__ import annotations
@@ -31,172 +34,31 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Shard
 
 import funcshard as fs
 
 from _comm import Collectives
+from _hf import (
+    OWN_BATCH,
+    batch,
+    block_types,
+    build,
+    expert_mesh,
+    experts_apart,
+    family,
+    inputs,
+    is_expert,
+    loss_of,
+    plan_of,
+    planned_order,
+)
 from _mesh import mesh
-from _models import BasicBlock, ResNet
 
-VOCAB, LENGTH, BATCH = 96, 8, 2  # per-rank batch: BATCH sequences of LENGTH tokens
 MODELS = ["gpt2", "gpt2-ckpt", "llama", "llama-ckpt", "resnet"]
 # more families, each also with "-recompute": the plan recomputes the blocks (see plan_of)
-FAMILIES = ["t5", "mixtral", "bert", "vit"]
-MASK_ID = VOCAB - 1  # BERT's [MASK] token
-
-
-# ---- the models ---------------------------------------------------------------------------
-
-
-def family(name: str) -> str:
-    """The model of ``name`` without its variant: "t5-recompute" -> "t5"."""
-    return name.split("-")[0]
-
-
-def build(name: str) -> nn.Module:
-    """The model ``name`` (of :data:`MODELS` or :data:`FAMILIES`, with or without
-    "-recompute"), with the same weights on every call and rank. The transformers models are
-    built from small configs, otherwise the library's defaults (``use_cache`` included), with
-    dropout off: the sharded run and its references would draw different masks."""
-    torch.manual_seed(0)
-    if name == "resnet":
-        return ResNet()
-    import transformers
-
-    transformers.logging.set_verbosity_error()  # tiny configs: token ids out of vocab, etc.
-    size = dict(vocab_size=VOCAB, max_position_embeddings=16, num_hidden_layers=2,
-                num_attention_heads=2, hidden_size=32, intermediate_size=64)  # fmt: skip
-    kind = family(name)
-    if kind == "gpt2":
-        config = transformers.GPT2Config(
-            vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=2,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        )  # fmt: skip
-        model = transformers.GPT2LMHeadModel(config)
-        assert model.lm_head.weight is model.transformer.wte.weight  # tied
-    elif kind == "llama":
-        config = transformers.LlamaConfig(**size, num_key_value_heads=1)
-        model = transformers.LlamaForCausalLM(config)
-    elif kind == "t5":  # the head tied to the shared embeddings of encoder and decoder
-        config = transformers.T5Config(
-            vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
-            relative_attention_num_buckets=8, relative_attention_max_distance=16,
-            dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
-        )  # fmt: skip
-        model = transformers.T5ForConditionalGeneration(config)
-        assert model.lm_head.weight is model.shared.weight
-    elif kind == "mixtral":  # 4 experts, top 2, stacked [experts, ...] weights per layer
-        config = transformers.MixtralConfig(
-            **size | {"intermediate_size": 32}, num_key_value_heads=1,
-            num_local_experts=4, num_experts_per_tok=2,
-        )  # fmt: skip
-        model = transformers.MixtralForCausalLM(config)
-    elif kind == "bert":  # the decoder tied to the word embeddings (and its bias to the head's)
-        config = transformers.BertConfig(
-            **size, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
-        )
-        model = transformers.BertForMaskedLM(config)
-        decoder = model.cls.predictions.decoder
-        assert decoder.weight is model.bert.embeddings.word_embeddings.weight
-    else:
-        config = transformers.ViTConfig(
-            **size, image_size=8, patch_size=4, num_labels=10,
-            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        )  # fmt: skip
-        model = transformers.ViTForImageClassification(config)
-    if name.endswith("-ckpt"):
-        # torch.utils.checkpoint(use_reentrant=False) per layer; gradient_checkpointing_enable()
-        # is its deprecated name in transformers 5
-        model.activation_checkpointing_enable()
-    return model.train()
-
-
-def block_types(model: nn.Module) -> tuple[type[nn.Module], ...]:
-    """The model's block classes: one group (one ``fully_shard``) per block, the rest in the
-    root. The MoE's experts are a group of their own in each layer, as torchtitan shards them."""
-    from transformers.models.bert.modeling_bert import BertLayer
-    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-    from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer, MixtralExperts
-    from transformers.models.t5.modeling_t5 import T5Block
-    from transformers.models.vit.modeling_vit import ViTLayer
-
-    if isinstance(model, ResNet):
-        return (BasicBlock,)
-    blocks = (GPT2Block, LlamaDecoderLayer, T5Block, BertLayer, ViTLayer, MixtralDecoderLayer)
-    (block,) = {type(m) for m in model.modules()} & set(blocks)
-    return (block, MixtralExperts) if block is MixtralDecoderLayer else (block,)
-
-
-def is_expert(path: str) -> bool:
-    """Whether ``path`` (a parameter's or a module's) is in a MoE layer's experts."""
-    return ".experts." in path + "."
-
-
-def expert_mesh():
-    """The experts' own mesh: each rank stores whole experts (``Shard(0)`` of the stacked
-    weights), gathered and reduced on this mesh's process group, not the data-parallel one."""
-    return mesh(2, names=("ep",))
-
-
-def experts_apart(path: str, t: torch.Tensor):
-    """``fs.shard``'s placement: the experts on :func:`expert_mesh`, the rest on the
-    data-parallel mesh."""
-    return (expert_mesh(), Shard(0)) if is_expert(path) else None
-
-
-def plan_of(name: str, model: nn.Module, **options) -> fs.Plan:
-    """``fs.plan`` with a group per block (:func:`block_types`); with "-recompute", every block
-    that holds no other recomputes its forward in backward: a MoE layer holds its experts'
-    group, so the experts recompute (what ``fs.schedule`` tells a user who asks for the
-    layer)."""
-    policy = fs.policy.by_type(*block_types(model))
-    blocks = [n for n, m in model.named_modules() if isinstance(m, block_types(model))]
-    inner = [n for n in blocks if not any(b.startswith(n + ".") for b in blocks)]
-    return fs.plan(model, policy, recompute=inner if name.endswith("-recompute") else None,
-                   **options)  # fmt: skip
-
-
-def batch(name: str, rank: int, step: int = 0) -> dict[str, torch.Tensor]:
-    """This rank's batch, with the keys of the model's forward: images and classes, or what a
-    tokenizer and a collator give the model: token ids, an attention mask with right padding,
-    and labels, -100 where no loss is taken: the padding (causal LMs, T5's targets) or every
-    token but the masked ones (BERT's masked LM, its input showing ``MASK_ID`` there).
-
-    Every rank has the same number of samples (of labelled tokens), so the mean of the ranks'
-    losses is the loss of the global batch (docs/testing.md)."""
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    if family(name) in ("resnet", "vit"):
-        size = 32 if name == "resnet" else 8
-        images = torch.randn(BATCH, 3, size, size, generator=g)
-        return {"pixel_values": images, "labels": torch.randint(0, 10, (BATCH,), generator=g)}
-    ids = torch.randint(0, VOCAB - 1, (BATCH, LENGTH), generator=g)
-    mask = torch.ones_like(ids)
-    mask[-1, -2:] = 0  # the last sequence is 2 tokens shorter
-    labels = ids.masked_fill(mask == 0, -100)
-    if family(name) == "t5":  # targets of half the length, the last one a token shorter
-        labels = torch.randint(0, VOCAB, (BATCH, LENGTH // 2), generator=g)
-        labels[-1, -1] = -100
-    elif family(name) == "bert":  # every third token masked (none in the padding)
-        masked = torch.arange(LENGTH) % 3 == 1
-        labels = ids.masked_fill(~masked, -100)
-        ids = ids.masked_fill(masked, MASK_ID)
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-
-def inputs(name: str, b: dict[str, torch.Tensor]) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` of the model's forward for the batch ``b``."""
-    return ((b["pixel_values"],), {}) if name == "resnet" else ((), b)
-
-
-def loss_of(name: str, forward, b: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The loss of ``forward`` (the model, or a function called like it) on the batch ``b``."""
-    args, kwargs = inputs(name, b)
-    out = forward(*args, **kwargs)
-    return F.cross_entropy(out, b["labels"]) if name == "resnet" else out.loss
+FAMILIES = ["t5", "mixtral", "bert", "vit", "qwen3", "gemma3", "phi3", "qwen3moe", "deepseek"]
+FAMILIES += ["whisper", "clip", "mamba"]
 
 
 def functional(model: nn.Module, tensors):
@@ -225,12 +87,12 @@ def setup(name: str, on_meta: bool = True):
 def reference(name: str, sharded, buffers, b):
     """The unsharded model on this step: ``(this rank's loss, full gradients, buffers after)``.
 
-    Gradients of the global batch; for the ResNet, the mean over ranks of each rank's batch on
-    its own copy (see [Note: the ResNet's reference]).
+    Gradients of the global batch; for the ResNet and CLIP, the mean over ranks of each rank's
+    batch on its own copy (see [Note: losses over each rank's own batch]).
     """
     model = build(name)
     full = {k: v.full_tensor() for k, v in sharded.items()}
-    if name != "resnet":
+    if family(name) not in OWN_BATCH:
         loss_fn = lambda p, b: loss_of(name, functional(model, (p, buffers)), b)
         value, grads = fs.testing.reference_value_and_grad(loss_fn, full, b)
         return value, grads, buffers
@@ -254,10 +116,15 @@ def fsdp2(name: str, b, **options):
     # innermost first (experts before their layer); fully_shard changes a module's class
     for fqn, block in reversed(blocks):
         fully_shard(block, mesh=expert_mesh() if is_expert(fqn) else mesh(2), **options)
-    fully_shard(model, mesh=mesh(2), **options)
+    # FSDP2 refuses 0-d parameters (CLIP's logit_scale): left out, all-reduced by hand
+    scalars = {p for p in model.parameters() if p.dim() == 0}
+    fully_shard(model, mesh=mesh(2), ignored_params=scalars, **options)
     with Collectives() as comm:
         loss = loss_of(name, model, b)
         loss.backward()
+    for p in scalars:
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
     grads = {k: p.grad for k, p in model.named_parameters()}
     return loss.detach(), grads, dict(model.named_buffers()), comm.counts()
 
@@ -273,10 +140,10 @@ def global_batch(b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def reference_step(name: str, model: nn.Module, b) -> torch.Tensor:
-    """Gradients of the unsharded ``model`` into ``.grad``: the global batch (the ResNet: this
-    rank's batch, gradients averaged over ranks as DDP does; see [Note: the ResNet's
-    reference]). Returns the loss of this rank's batch."""
-    if name == "resnet":
+    """Gradients of the unsharded ``model`` into ``.grad``: the global batch (the ResNet and
+    CLIP: this rank's batch, gradients averaged over ranks as DDP does; see [Note: losses over
+    each rank's own batch]). Returns the loss of this rank's batch."""
+    if family(name) in OWN_BATCH:
         loss = loss_of(name, model, b)
         loss.backward()
         for p in model.parameters():
@@ -316,7 +183,32 @@ def placed_like(grads, sharded) -> bool:
     placements."""
     return all(
         (grads[k].device_mesh, grads[k].placements) == (t.device_mesh, t.placements)
-        for k, t in sharded.items()
+        for k, t in trainable(sharded, sharded).items()
+    )
+
+
+def trainable(tree: dict, sharded: dict) -> dict:
+    """``tree`` without the frozen parameters (Whisper's sinusoidal positions), whose gradient
+    is ``None`` in funcshard and FSDP2 and zeros in the references that differentiate every
+    floating-point tensor."""
+    return {k: v for k, v in tree.items() if sharded[k].requires_grad}
+
+
+def assert_matches(sharded, ours: tuple, expected: tuple, **tolerance) -> None:
+    """``fs.testing.assert_close`` of ``(loss, grads, buffers)`` and ``expected``, the frozen
+    parameters' gradients left out of both (see :func:`trainable`)."""
+    (loss, grads, buffers), (their_loss, their_grads, their_buffers) = ours, expected
+    fs.testing.assert_close(
+        (loss, trainable(grads, sharded), buffers),
+        (their_loss, trainable(their_grads, sharded), their_buffers),
+        **tolerance,
+    )
+
+
+def frozen_get_none(grads, sharded) -> bool:
+    """Whether the frozen parameters, and they alone, got ``None``."""
+    return {k for k, g in grads.items() if g is None} == set(sharded) - set(
+        trainable(sharded, sharded)
     )
 
 
@@ -334,9 +226,9 @@ def gradients_match(name: str, path: str) -> None:
         grads = fs.reduce(dict(zip(full, grads, strict=True)), sharded)
     else:
         loss, grads = fs.value_and_grad(sharded_loss(name, path, model, plan, buffers))(sharded, b)
-    assert placed_like(grads, sharded)
-    fs.testing.assert_close((loss, grads, buffers), (ref_loss, ref_grads, ref_buffers))
-    fs.testing.assert_close((loss, grads, buffers), (fsdp_loss, fsdp_grads, fsdp_buffers))
+    assert placed_like(grads, sharded) and frozen_get_none(grads, sharded)
+    assert_matches(sharded, (loss, grads, buffers), (ref_loss, ref_grads, ref_buffers))
+    assert_matches(sharded, (loss, grads, buffers), (fsdp_loss, fsdp_grads, fsdp_buffers))
 
 
 def bf16_matches_fsdp2(name: str, reshard: bool) -> None:
@@ -350,14 +242,19 @@ def bf16_matches_fsdp2(name: str, reshard: bool) -> None:
     FSDP2 is asked not to cast each block's floating inputs to bf16: funcshard leaves them as
     they come (docs/fsdp2.md), and Mixtral's routing weights reach its experts in float32.
     FSDP2 passes each block's inputs through an autograd Function, so the gradient of an input
-    several blocks read (T5's encoder output, read by every decoder block's cross-attention) is
-    summed within each block, then over the blocks; funcshard adds the terms one at a time, as
-    the unsharded model does. bf16 sums grouped differently round differently (an identity
-    Function on that input changes the unsharded model's encoder gradients by as much): T5 is
-    compared to bf16's precision, the others to float32's."""
+    several blocks read (an encoder-decoder's encoder output, read by every decoder block's
+    cross-attention) is summed within each block, then over the blocks; funcshard adds the
+    terms one at a time, as the unsharded model does. bf16 sums grouped differently round
+    differently (an identity Function on that input changes the unsharded model's encoder
+    gradients by as much): T5 and Whisper are compared to bf16's precision, the others to
+    float32's. Float inputs come in bf16, as a user casts them (Whisper's audio features meet a
+    convolution first)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    b = batch(name, dist.get_rank())
+    b = {
+        k: v.bfloat16() if v.is_floating_point() else v
+        for k, v in batch(name, dist.get_rank()).items()
+    }
     mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32, cast_forward_inputs=False)
     *expected, theirs = fsdp2(name, b, mp_policy=mp, reshard_after_forward=reshard)
     model, sharded, buffers, _ = setup(name)
@@ -373,8 +270,8 @@ def bf16_matches_fsdp2(name: str, reshard: bool) -> None:
         loss, grads = fs.value_and_grad(sharded_loss(name, "schedule", model, plan, buffers))(
             sharded, b
         )
-    bf16 = {"rtol": 1.6e-2, "atol": 2e-3} if family(name) == "t5" else {}
-    fs.testing.assert_close((loss, grads, buffers), tuple(expected), **bf16)
+    bf16 = {"rtol": 1.6e-2, "atol": 2e-3} if family(name) in ("t5", "whisper") else {}
+    assert_matches(sharded, (loss, grads, buffers), tuple(expected), **bf16)
     groups = len(plan.groups)  # the root and the blocks
     gathers = 2 * groups - 1 if reshard else groups
     ours = comm.counts()
@@ -420,20 +317,6 @@ def adamw_matches(name: str, path: str, on_meta: bool, steps: int = 3) -> None:
     fs.testing.assert_close(buffers, dict(ref.named_buffers()))
 
 
-def planned_order(model: nn.Module) -> tuple[str, ...]:
-    """The groups' forward order, by hand: the root (embeddings, the stem), each block in turn
-    (a MoE layer, then its experts), the root again (the final norm and the head, tied or
-    not). An encoder-decoder's blocks are in two submodules of the root, and the root runs
-    between them (the encoder's final norm, the decoder's embeddings)."""
-    order = []
-    for n, m in model.named_modules():
-        if isinstance(m, block_types(model)):
-            if not order or n.split(".")[0] != order[-1].split(".")[0]:
-                order.append("")
-            order.append(n)
-    return (*order, "")
-
-
 def recorded_plan_matches(name: str, real: bool) -> None:
     """A plan recorded from this rank's batch, the module on meta: by a dry run on meta copies
     of the inputs, or (``real``) by one real forward over the shards, as FSDP2 learns the order
@@ -456,7 +339,7 @@ def recorded_plan_matches(name: str, real: bool) -> None:
         loss, grads = fs.value_and_grad(sharded_loss(name, "schedule", model, plan, buffers))(
             sharded, b
         )
-    fs.testing.assert_close((loss, grads, buffers), (ref_loss, ref_grads, ref_buffers))
+    assert_matches(sharded, (loss, grads, buffers), (ref_loss, ref_grads, ref_buffers))
 
 
 def func_grad_matches(name: str) -> None:
@@ -472,7 +355,37 @@ def func_grad_matches(name: str) -> None:
 
     grads, loss = torch.func.grad_and_value(loss_fn)(sharded, buffers)
     assert placed_like(grads, sharded)
-    fs.testing.assert_close((loss, grads, buffers), (ref_loss, ref_grads, ref_buffers))
+    assert_matches(sharded, (loss, grads, buffers), (ref_loss, ref_grads, ref_buffers))
+
+
+def explained_like_the_step(name: str) -> None:
+    """``fs.explain`` of a float32 step with AdamW (the experts' grouped matmuls, whose fake
+    kernel takes only bf16: see [Note: grouped matmuls on fake tensors]) against the real
+    step, as ``tests/test_explain.py`` compares them: the collectives (kind, bytes in and out,
+    count; torch.profiler's record of the real step) are equal, and the peak is within 10% of
+    the allocator's (these models hold half a megabyte, where the prediction misses 3-9% in
+    small allocations, dense models too)."""
+    from benchmarks import explain_accuracy as ea
+    from funcshard._runtime._profiling import peak_bytes
+
+    model, sharded, buffers, plan = setup(name)
+    apply = fs.schedule(model, plan)
+    ids = batch(name, dist.get_rank())["input_ids"]
+
+    def next_token(out, ids):
+        return nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+    opt = fs.optim.adamw(LR)
+    s = ea.Setup(apply, sharded, buffers, (ids,), opt, opt.init(sharded), next_token)
+    rates = fs.Hardware({torch.float32: 1e10}, 1e10, 1e-6, 1e9, 1e-5)  # time is not tested
+    e = fs.explain(apply, sharded, ids, optimizer=opt, buffers=buffers, loss=next_token,
+                   hardware=rates)  # fmt: skip
+    for _ in range(2):  # warm-up (see tests/test_explain.py)
+        s.step()
+    measured = min(peak_bytes(s.step, this_thread=True)[0] for _ in range(3))
+    measured += ea.resident_bytes(s)
+    assert ea.predicted_collectives(e) == ea.profiled_collectives(s)
+    assert abs(e.peak_bytes - measured) <= 0.1 * measured, (e.peak_bytes, measured)
 
 
 # ---- the tests ----------------------------------------------------------------------------
@@ -515,13 +428,14 @@ def test_gradients(world2, name, path):
     on_ranks(world2, gradients_match, name, path)
 
 
+# Not CLIP: FSDP2 refuses its 0-d logit_scale, and left out of fully_shard it stays float32
 @pytest.mark.parametrize(
     ("name", "reshard"),
     [
         *[("gpt2", True), ("gpt2-ckpt", False), ("llama", False), ("llama-ckpt", True)],
-        *[(name, False) for name in FAMILIES],
-        *[(name, True) for name in RECOMPUTED],  # the recompute: backward's one re-gather
-    ],
+        *[(name, False) for name in FAMILIES if name != "clip"],
+        *[(name, True) for name in RECOMPUTED if name != "clip-recompute"],  # backward's one
+    ],  # re-gather
 )
 def test_bf16_matches_fsdp2(world2, name, reshard):
     on_ranks(world2, bf16_matches_fsdp2, name, reshard)
@@ -563,3 +477,71 @@ def test_recorded_plan(world2, name, real):
 )
 def test_func_grad(world2, name):
     on_ranks(world2, func_grad_matches, name)
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "deepseek"])  # (Mixtral's experts: the same)
+def test_explain_in_float32(world2, name):
+    on_ranks(world2, explained_like_the_step, name)
+
+
+# ---- QLoRA: a Llama fine-tuned over NF4 weights -------------------------------------------
+
+
+def qlora_llama():
+    from _lowp import qlora
+
+    return qlora(build("llama"))
+
+
+def qlora_fine_tune(steps: int = 3) -> None:
+    """QLoRA of a Hugging Face Llama: its decoder's linears NF4 (torchao) with LoRA adapters,
+    everything else frozen; ``steps`` of ``fs.optim.adamw`` on the adapters == the unsharded
+    model with ``torch.optim.AdamW`` (every loss, the adapters at the end); the first step's
+    gradients == FSDP2's (``fully_shard`` per layer + root), bit for bit, with the same bytes
+    gathered."""
+    from _lowp import gathered_bytes
+
+    model = qlora_llama()
+    params, buffers = fs.extract(model)
+    sharded = fs.shard(params, mesh(2))
+    assert (
+        type(sharded["model.layers.0.self_attn.q_proj.weight"].to_local()).__name__ == "NF4Tensor"
+    )
+    trained = {k: v for k, v in sharded.items() if v.requires_grad}
+    frozen = {k: v for k, v in sharded.items() if not v.requires_grad}
+    apply = fs.schedule(model, plan_of("llama", model, order=planned_order(model)))
+    forward = lambda p: functools.partial(apply, {**frozen, **p}, buffers=buffers)
+    loss_fn = lambda p, b: loss_of("llama", forward(p), b)
+    opt = fs.optim.adamw(LR, weight_decay=0.1)
+    state = opt.init(trained)
+    ref = qlora_llama()
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR,
+                                weight_decay=0.1)  # fmt: skip
+    theirs = qlora_llama()
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in theirs.model.layers:
+        fully_shard(layer, mesh=mesh(2))
+    fully_shard(theirs, mesh=mesh(2))
+    for step in range(steps):
+        b = batch("llama", dist.get_rank(), step)
+        with Collectives() as ours:
+            loss, grads = fs.value_and_grad(loss_fn)(trained, b)
+        if step == 0:
+            with Collectives() as c:
+                loss_of("llama", theirs, b).backward()
+            their_grads = {k: p.grad for k, p in theirs.named_parameters() if p.requires_grad}
+            fs.testing.assert_close(grads, their_grads, atol=0, rtol=0)
+            assert gathered_bytes(ours, 2) == gathered_bytes(c, 2), (ours.sent, c.sent)
+        trained, state = fs.optim.step(opt, trained, grads, state)
+        fs.testing.assert_close(loss, reference_step("llama", ref, b))
+        ref_opt.step()
+        ref_opt.zero_grad()
+    ours = {k: v.full_tensor() for k, v in trained.items()}
+    fs.testing.assert_close(ours, {k: p.detach() for k, p in ref.named_parameters()
+                                   if p.requires_grad}, atol=LR / 100, rtol=0)  # fmt: skip
+
+
+def test_qlora_fine_tune_of_llama(world2):
+    pytest.importorskip("torchao")
+    on_ranks(world2, qlora_fine_tune)

@@ -185,25 +185,34 @@ def test_no_hooks_are_registered(world2):
 
 
 def out_of_order():
-    """A plan whose order is wrong for this forward: correct result, a warning naming groups."""
+    """A plan whose order is wrong for this forward: the use it cannot serve without a gather
+    of its own is named on every rank (a warning at once, an error at the next call), and the
+    ranks stay in step: the right plan then gives the unsharded model's gradients."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model, sharded, buffers, plan = _setup()
     wrong = plan.replace(order=("", "blocks.1", "blocks.0", ""))
     batch = tokens(rank)
+    step = lambda p, plan: lm_loss(fs.schedule(model, plan)(p, batch, buffers=buffers), batch)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _, grads = fs.value_and_grad(
-            lambda p: lm_loss(fs.schedule(model, wrong)(p, batch, buffers=buffers), batch)
-        )(sharded)
-    _, ref, _ = reference_step(make(), [tokens(r) for r in range(world)])
+        fs.value_and_grad(step)(sharded, wrong)
     messages = [str(w.message) for w in caught if "funcshard" in str(w.message)]
-    return _err(grads, ref), messages
+    try:
+        fs.value_and_grad(step)(sharded, plan)
+        raised = None
+    except RuntimeError as e:
+        raised = str(e)
+    _, grads = fs.value_and_grad(step)(sharded, plan)
+    _, ref, _ = reference_step(make(), [tokens(r) for r in range(world)])
+    return _err(grads, ref), messages, raised
 
 
-def test_out_of_order_use_warns_and_stays_correct(world2):
-    for err, messages in world2.run(out_of_order):
+def test_out_of_order_use_is_named_on_every_rank_and_they_stay_in_step(world2):
+    for rank, (err, messages, raised) in enumerate(world2.run(out_of_order)):
         assert err < 1e-5
-        assert messages and "'blocks.0'" in messages[0] and "planned" in messages[0]
+        assert len(messages) == 1 and f"rank {rank}'s forward used group 'blocks." in messages[0]
+        assert raised is not None and raised in messages[0], raised
+        assert "the plan's last run of it had passed" in raised and "order=" in raised
 
 
 def accumulate(micro):

@@ -386,3 +386,18 @@ def test_restart_after_a_rank_dies_resumes_by_itself(tmp_path, uninterrupted):
     after = records["loss"][len(first) :]
     assert after == uninterrupted["loss"][resumed_at:]
     assert records["heldout"][-1] == uninterrupted["heldout"][-1]
+
+
+def _float8_smoke():
+    pytest.importorskip("torchao")
+    result = train_lm.main(["--smoke", "--float8", "--sample", "0"])  # checks that it learned
+    kinds = {k: type(v.to_local()).__name__ for k, v in result.params.items()}
+    return kinds, result.heldout[-1][1]
+
+
+def test_float8_smoke_run_learns(world2):
+    """``--float8``: the blocks' weights stay float8 training's through the run, the head and
+    embeddings plain, and the held-out loss falls below the entropy (main's own check)."""
+    for kinds, _ in world2.run(_float8_smoke):
+        assert kinds["blocks.0.qkv.weight"] == "WeightWithDynamicFloat8CastTensor", kinds
+        assert kinds["embed.weight"] == "Tensor", kinds

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import optree
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from funcshard._trees._tree import Flat, dict_leaves
@@ -81,6 +81,8 @@ def test_a_dict_of_tensors_takes_the_fast_path_in_optrees_order():
 
 @settings(max_examples=200, deadline=None)
 @given(trees, trees)
+@example({}, {"": _TENSOR, 0: _TENSOR})  # keys of several types: optree keeps their order
+@example({0: None, "": None}, {"": _TENSOR, 0: _TENSOR})
 def test_nothing_in_is_a_tree_of_nones_shaped_like(tree, like):
     """``nothing_in``: exactly when optree sees ``tree`` as ``like``'s structure with no leaf
     but ``None`` -- told only for dicts of tensors (else it says no, and the caller flattens)."""
@@ -92,4 +94,7 @@ def test_nothing_in_is_a_tree_of_nones_shaped_like(tree, like):
         assert same and all(x is None for x in leaves)
     if same and all(x is None for x in leaves) and dict_leaves(like) is not None:
         assert nothing_in(tree, like)
-    assert nothing_in(Flat.of(like).nones(), like) == (dict_leaves(like) is not None)
+    of_tensors = type(like) is dict and all(
+        v is None or isinstance(v, torch.Tensor) for v in like.values()
+    )
+    assert nothing_in(Flat.of(like).nones(), like) == of_tensors

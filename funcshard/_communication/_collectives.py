@@ -78,7 +78,7 @@ from .._runtime._compat import all_gather_single, storage_key
 from .._runtime._compile import issued, waited, waits_for
 from .._runtime._mode import Mode, refuse_jacfwd, transformed
 from .._runtime._profiling import span
-from . import _debug, _liveness, _opaque
+from . import _debug, _hangs, _opaque
 
 _ops = torch.ops._c10d_functional
 
@@ -190,7 +190,7 @@ def wait(t: torch.Tensor) -> torch.Tensor:
     try:
         _ops.wait_tensor(t.detach())
     except RuntimeError as e:  # a peer died, or is not at this collective: say which
-        _liveness.explain(e, "a collective")
+        _hangs.explain(e, "a collective")
         raise
     donated = _DONATED.pop(ptr, None)
     if donated is not None:
@@ -420,19 +420,22 @@ class Started:
             try:
                 self.work.wait()
             except RuntimeError as e:  # a peer died, or is not at this collective: say which
-                _liveness.explain(e, "an all_gather")
+                _hangs.explain(e, "an all_gather")
                 raise
             finally:  # waited (or failed): nothing left in flight at exit
                 _UNFINISHED.pop(id(self.work), None)
 
 
-def start_all_gather(comm: Comm, pieces, after: torch.Tensor | None = None) -> Started:
+def start_all_gather(
+    comm: Comm, pieces, after: torch.Tensor | None = None, flat: bool = False
+) -> Started:
     """Issue the all-gather of ``pieces`` outside autograd, copying them straight into this
     rank's slot of the output (no separate input buffer, as FSDP2's copy-in). The result is
     handed to :class:`AllGather` later (see [Note: issue early, record late] in ``_flat``).
     Plain autograd only (an in-place collective); under ``torch.compile``, the functional one
     (see [Note: collectives under torch.compile]) after a copy-in made by one operation that
-    follows ``after`` (see ``_opaque``). See [Note: one way per mode]."""
+    follows ``after`` (see ``_opaque``). See [Note: one way per mode]. ``flat``: the pieces are
+    1-D, of the gather dtype (``_packed``'s bytes): copied in by one concatenation."""
     way = comm.way
     if way.traced:
         with torch.no_grad():
@@ -446,12 +449,16 @@ def start_all_gather(comm: Comm, pieces, after: torch.Tensor | None = None) -> S
     output = torch.empty(comm.world * size, dtype=dtype, device=pieces[0].device)
     at = dist.get_rank(comm.group) * size
     slot = output.narrow(0, at, size)
-    slots = []  # each piece's place in the slot, in the piece's shape: one view each
-    for p, n in zip(pieces, numels, strict=True):
-        slots.append(output.as_strided(p.shape, contiguous_strides(p.shape), at))
-        at += n
-    with torch.no_grad():  # the output records no history
-        torch._foreach_copy_(slots, list(pieces))
+    if flat:
+        with torch.no_grad():
+            torch.cat(list(pieces), out=slot)
+    else:
+        slots = []  # each piece's place in the slot, in the piece's shape: one view each
+        for p, n in zip(pieces, numels, strict=True):
+            slots.append(output.as_strided(p.shape, contiguous_strides(p.shape), at))
+            at += n
+        with torch.no_grad():  # the output records no history
+            torch._foreach_copy_(slots, list(pieces))
     if comm.world == 1:  # see [Note: one rank communicates nothing]
         return Started(output, None)
     _debug.check("all_gather", comm.group, comm.label, slot)

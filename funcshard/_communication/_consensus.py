@@ -19,6 +19,11 @@ or its error -- and reads everyone's:
 - hashes differ: every rank publishes its description, reads the others', and raises the same
   ``ValueError`` naming the first differing leaf.
 
+An error a rank finds where raising would leave the others in a collective without it (a
+scheduled forward that used a group where the plan had already freed it: see [Note: the
+collectives follow the plan] in ``_execution/_deviation``) is kept (:func:`defer`) and published
+as that rank's error at its next call's check: every rank raises it there.
+
 The exchange goes through the process group's key-value store, not a collective: it adds
 nothing to the sequence of collectives (whose counts FSDP2 users compare, and which must stay
 identical on every rank). Its cost (three store round trips per call; BENCHMARKS.md) is paid
@@ -46,14 +51,16 @@ import torch.distributed as dist
 from .._runtime._compile import untraced
 from .._trees import _parallel
 from .._trees._spec import ShardSpec
+from .._trees._subclass import is_subclass
 from . import _liveness, _store, _updates
 from ._updates import by_rank, differences, taken
 
-Leaf = tuple[str, ShardSpec, torch.dtype, bool]
+Leaf = tuple[str, ShardSpec, "torch.dtype | str", bool]
 _DIGESTS: collections.OrderedDict[tuple, int] = collections.OrderedDict()
 _REMEMBERED = 1024  # structures whose hash is cached, per process
 _ERROR, _GONE, _COLLECTIVE = b"E", _store.GONE, _store.COLLECTIVE
 _exchange = _store.exchange
+_DEFERRED: list[Exception] = []  # see defer
 
 
 def agree(
@@ -79,6 +86,8 @@ def agree(
         ``error`` (on this rank), or the same type naming the rank that failed (on the others).
         RuntimeError: a rank is gone, or the store cannot be reached.
     """
+    if error is None and _DEFERRED:
+        error = _DEFERRED.pop()
     if not dist.is_initialized() or dist.get_world_size() == 1:
         if error is not None:
             raise error
@@ -113,6 +122,15 @@ def _agree(fn, leaves, options, error, digest, count) -> list[float | None]:
     return [float(c) if c else None for c in counts]
 
 
+def defer(error: Exception) -> None:
+    """Raise ``error`` at this rank's next :func:`agree` -- so on every rank, before any
+    collective of that call -- for an error found where raising at once would leave the other
+    ranks in a collective without this one (see [Note: the collectives follow the plan] in
+    ``_execution/_deviation``). Only the first error is kept until then."""
+    if not _DEFERRED:
+        _DEFERRED.append(error)
+
+
 @contextlib.contextmanager
 def failing(fn: str) -> Iterator[None]:
     """Around a call's local checks and its :func:`agree`: an exception raised inside (before
@@ -138,8 +156,12 @@ def each_rank(what: str, value: str) -> list[str]:
 
 def leaf(path: str, spec: ShardSpec, local: torch.Tensor) -> Leaf:
     """The entry of a shard whose gradient flows back through the collectives if it requires
-    grad (see [Note: frozen leaves] in ``_autodiff``)."""
-    return (path, spec, local.dtype, local.requires_grad)
+    grad (see [Note: frozen leaves] in ``_autodiff``); a tensor subclass's (a low-precision
+    weight, gathered as its class says: see ``_packed``) names its class with its dtype."""
+    dtype: torch.dtype | str = local.dtype
+    if type(local) is not torch.Tensor and is_subclass(local):
+        dtype = f"{type(local).__qualname__} of {local.dtype}"
+    return (path, spec, dtype, local.requires_grad)
 
 
 def cached_digest(fn: str, leaves: Sequence[Leaf], options: tuple) -> int:
@@ -177,14 +199,13 @@ def _failure(fn: str, rank: int, status: bytes) -> Exception:
         return RuntimeError(
             f"{fn}: rank {rank} is one collective behind or ahead (it is about to issue "
             f"{status[1:].decode(errors='replace')}) while this rank checks the tree of a new "
-            "call: the ranks' forwards took different paths (FUNCSHARD_DEBUG found it; see "
+            "call: the ranks issued different collectives (FUNCSHARD_DEBUG found it; see "
             "docs/failures.md, control flow that differs between ranks)."
         )
-    if status[:1] == _GONE:
+    if status[:1] == _GONE:  # the clause names the rank; see [Note: how a rank ended]
         return RuntimeError(
-            f"{fn}: rank {rank} is gone ({status[1:].decode()}): it died before taking part in "
-            "this call's check, so no collective was issued. Restart the job (from the last "
-            "checkpoint)."
+            f"{fn}: {status[1:].decode()}. No rank issued a collective of this call. Restart "
+            "the job (from the last checkpoint) once that is mended."
         )
     kind, message = pickle.loads(status[1:])
     cls = getattr(builtins, kind, None)

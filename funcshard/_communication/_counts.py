@@ -126,12 +126,19 @@ def own(fn: str, op: str, count: Any, inputs: Any = None) -> Count:
     return _number(fn, count)
 
 
-def _differentiated(count: Count, shards: Sequence[torch.Tensor]) -> Count:
-    """``count`` if the call computes gradients of ``shards`` (grad mode on, one requires
-    grad), else None: a forward without gradients reduces nothing, so nothing is checked."""
-    if count is None or not torch.is_grad_enabled():
-        return None
-    return count if any(t.requires_grad for t in shards) else None
+def _computes_gradients(shards: Sequence[torch.Tensor]) -> bool:
+    """Whether a call computes gradients of ``shards`` (grad mode on, one requires grad): a
+    forward without gradients reduces nothing, so its count is not checked."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in shards)
+
+
+def _with_grad_mode(agreement: tuple, grads: bool) -> tuple:
+    """``agreement`` (``(leaves, options[, error, digest])``) with ``grads`` among the options
+    (see [Note: ranks that differ in grad mode])."""
+    leaves, options, *rest = agreement
+    if len(rest) == 2 and rest[1] is not None:  # a digest kept by the caller: one bit flips
+        rest = [rest[0], rest[1] ^ int(grads)]
+    return (leaves, (*options, ("computes gradients", grads)), *rest)
 
 
 def _number(fn: str, count: Any) -> float:
@@ -152,8 +159,20 @@ def _number(fn: str, count: Any) -> float:
 def agree(fn: str, op: str, count: Count, shards, *agreement) -> list[Count]:
     """:func:`._consensus.agree` (``agreement``: its arguments) with this rank's ``count``
     -- published when the call differentiates ``shards`` (always if ``None``: the
-    call's own reduction) -- and the ranks' counts checked for ``op``; returns them."""
-    count = count if shards is None else _differentiated(count, shards)
+    call's own reduction) -- and the ranks' counts checked for ``op``; returns them.
+
+    [Note: ranks that differ in grad mode]
+    A call that differentiates its ``shards`` (grad mode on, a leaf that requires grad) issues
+    its reductions in the backward; one that does not, none. So whether it does is one of the
+    options the ranks must agree on: a forward under ``torch.no_grad()`` on some ranks only
+    (inside a loss, say) is an error on every rank, naming ``<computes gradients>``, before
+    any collective -- instead of the other ranks waiting in their backward's reductions. It
+    rides the status the call exchanges anyway: ``agreement``'s options and its digest, if
+    given, are extended here."""
+    if shards is not None:
+        grads = _computes_gradients(shards)
+        count = count if grads else None
+        agreement = _with_grad_mode(agreement, grads)
     counts = _consensus.agree(fn, *agreement, count=count)
     check(fn, op, counts)
     return counts

@@ -1,9 +1,10 @@
 """Debug mode: every collective's description compared across its ranks before it is issued.
 
 [Note: checked collectives]
-Collectives are matched by their order alone. When the ranks' forwards take different paths (a
-data-dependent branch that skips a scheduled block on one rank), their collectives pair up
-wrongly: on gloo, mismatched sizes kill a rank with ``terminate called after throwing
+Collectives are matched by their order alone. When the ranks issue different ones (an
+``fs.unshard`` some ranks call and others do not; a scheduled forward's cases that ``_schedule``
+cannot keep in step, see [Note: the collectives follow the plan] in ``_execution/_deviation``),
+they pair up wrongly: on gloo, mismatched sizes kill a rank with ``terminate called after throwing
 gloo::EnforceNotMet`` (an abort ``except`` cannot catch), equal sizes give wrong values; on
 NCCL, the ranks hang until the watchdog's timeout (or read garbage). In debug mode -- the
 environment variable ``FUNCSHARD_DEBUG=1`` (read at each collective, as
@@ -68,9 +69,10 @@ def check(op: str, group: dist.ProcessGroup, label: str, x: torch.Tensor) -> Non
     doing = "; ".join(f"rank {r}: {v}" for r, v in zip(ranks, everyone, strict=True))
     raise RuntimeError(
         f"funcshard (FUNCSHARD_DEBUG): the ranks of process group {ranks} are about to issue "
-        f"different collectives ({doing}). Nothing was issued. Their forwards took different "
-        "paths (data-dependent control flow, a block skipped on one rank) or they called "
-        "funcshard differently; see docs/failures.md, control flow that differs between ranks."
+        f"different collectives ({doing}). Nothing was issued. A collective some ranks issue and "
+        "others do not (an fs.unshard on some ranks only; a forward's path the schedule cannot "
+        "keep in step, such as a block whose output some ranks drop), or funcshard called "
+        "differently; see docs/failures.md, control flow that differs between ranks."
     )
 
 
@@ -85,7 +87,7 @@ def _exchange_collective(group: dist.ProcessGroup, description: str) -> list[str
         if v[:1] == _store.COLLECTIVE:
             out.append(v[1:].decode(errors="replace"))
         elif v[:1] == _store.GONE:
-            out.append(f"gone ({v[1:].decode(errors='replace')})")
+            out.append(v[1:].decode(errors="replace"))  # "rank r is gone (...)", "... failed first"
         else:
             out.append("at the per-call check of a funcshard call, not at a collective")
     return out

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.distributed.tensor import Shard
@@ -32,9 +33,11 @@ from torch.distributed.tensor import Shard
 from .._runtime._compat import storage_key
 from .._runtime._compile import after_waits
 from .._runtime._mode import Mode
+from .._trees import _subclass
 from .._trees._spec import ShardSpec
 from . import _collectives as C
-from . import _counts, _opaque, _post_forward
+from . import _counts, _opaque, _packed, _post_forward
+from ._rows import _from_rank_major, _pad, _refill, _to_rank_major
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +146,7 @@ class Bucket:
     out_dtype: torch.dtype
     local: bool
     post: _post_forward.Post | None = None  # see [Note: reshard to a smaller mesh]
+    wire: Any = None  # a packed bucket's ``_packed.Wire``: see [Note: FSDP2's all-gather protocol]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +162,7 @@ class Lowered:
     local: bool  # every bucket is local: nothing is ever pending
     aliases: bool  # some bucket is local: a full tensor may be its shard itself
     shards_only: bool  # every full tensor is its shard itself: nothing to gather or free
+    packed: bool = False  # some bucket is packed (see [Note: one byte buffer per collective])
 
     @property
     def keeps(self) -> bool:
@@ -228,33 +233,19 @@ def _mesh_dims(layout: Layout) -> tuple[list[int], list[int]]:
     return sharded, [i for i in range(len(placements)) if i not in sharded]
 
 
-def _buckets(dtypes: Sequence[torch.dtype], layouts: Sequence[Layout]) -> list[list[int]]:
+def _buckets(
+    dtypes: Sequence[torch.dtype], layouts: Sequence[Layout], speaking: Sequence[bool] = ()
+) -> list[list[int]]:
+    """Leaves of one mesh, placement kinds, dtype and expert size, in order of first leaf; with
+    ``speaking`` (see ``_packed``), every dtype of a mesh and kinds with a protocol leaf in one
+    (see [Note: one byte buffer per collective])."""
     keys: dict[tuple, list[int]] = {}
+    kind = lambda lay: (lay.spec.mesh, tuple(isinstance(p, Shard) for p in lay.spec.placements))
+    packed = {(*kind(lay), lay.over) for lay, s in zip(layouts, speaking, strict=False) if s}
     for i, (dtype, lay) in enumerate(zip(dtypes, layouts, strict=True)):
-        kinds = tuple(isinstance(p, Shard) for p in lay.spec.placements)
-        keys.setdefault((lay.spec.mesh, kinds, dtype, lay.over), []).append(i)
+        key = (*kind(lay), lay.over)
+        keys.setdefault(key if key in packed else (*key, dtype), []).append(i)
     return list(keys.values())
-
-
-def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """Zero-pad ``dim`` to ``size``. A concatenation, whose backward is a view (``F.pad``'s
-    copies), so a pending gradient passes through unread."""
-    extra = size - x.shape[dim]
-    if extra == 0:
-        return x
-    return torch.cat([x, x.new_zeros(*x.shape[:dim], extra, *x.shape[dim + 1 :])], dim=dim)
-
-
-def _from_rank_major(rows: torch.Tensor, chunk_shape: tuple[int, ...], dim: int) -> torch.Tensor:
-    """``[W, prod(chunk_shape)]`` -> the W chunks concatenated along ``dim``."""
-    w = rows.shape[0]
-    out = rows.view(w, *chunk_shape).movedim(0, dim)
-    return out.reshape(*chunk_shape[:dim], w * chunk_shape[dim], *chunk_shape[dim + 1 :])
-
-
-def _to_rank_major(x: torch.Tensor, dim: int, world: int) -> torch.Tensor:
-    """Inverse of :func:`_from_rank_major`: ``[.., W*c, ..]`` -> ``[W, numel / W]``."""
-    return x.unflatten(dim, (world, x.shape[dim] // world)).movedim(dim, 0).reshape(world, -1)
 
 
 def _split(flat: torch.Tensor, shapes, dims, sizes) -> list[torch.Tensor]:
@@ -412,13 +403,6 @@ def _refill_rows(targets: Sequence[torch.Tensor], rows: torch.Tensor, chunks) ->
     return list(targets)
 
 
-def _refill(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """Copy ``value`` into ``target`` (a tensor autograd saved) without bumping its version."""
-    with torch.autograd._unsafe_preserve_version_counter(target):
-        target.detach().copy_(value)
-    return target
-
-
 def _refill_chunks(target: torch.Tensor, rows: torch.Tensor, chunk_shape, dim: int):
     """:func:`_refill` with ``_from_rank_major(rows, chunk_shape, dim)``, copied chunk by chunk
     into ``target``'s own memory: one copy, no full-size temporary."""
@@ -460,21 +444,30 @@ def lower(
     opts: Options,
     mode: Mode,
     post_forward: int | None = None,
+    speaking: Sequence[bool] | None = None,
 ) -> Lowered:
     """The gather of leaves of ``dtypes`` (their local shards') and ``layouts``, lowered once
     for ``mode``: buckets, collectives and dtypes depend on the structure alone.
 
     ``post_forward``: the group's ``reshard_after_forward=N`` (``N >= 2``), for which eager
     buckets get their sub-group of ``N`` ranks (see [Note: reshard to a smaller mesh]).
+    ``speaking``: per leaf, whether its shard speaks FSDP2's all-gather protocol
+    (``_subclass.speaking``; ``None``: none does); their buckets are packed (see [Note: one
+    byte buffer per collective]).
 
     Raises:
         ValueError: ``post_forward`` does not divide the size of a bucket's sharded mesh dim.
+        NotImplementedError: a protocol leaf not sharded along dim 0 over one mesh dim, or
+            inside a ``torch.func`` transform.
     """
     if opts.grad_reduce == "weighted":
         _counts.refuse_experts([lay.path for lay in layouts if lay.over > 1])
     flat = tuple(_flat_dtype(opts, d) for d in dtypes)
+    if speaking is not None:
+        _packed.check(layouts, speaking, mode)
+        flat = tuple(d if s else f for d, f, s in zip(dtypes, flat, speaking, strict=True))
     buckets = []
-    for idx in _buckets(flat, layouts):
+    for idx in _buckets(flat, layouts, speaking or ()):
         lays = tuple(layouts[i] for i in idx)
         out_dtype = opts.param_dtype or dtypes[idx[0]]
         sharded, replicated = _mesh_dims(lays[0])
@@ -486,6 +479,12 @@ def lower(
         # one rank everywhere, and no expert-parallel mean to divide by
         local = all(c.world == 1 and c.over == 1 for c in (*comms, *replicas))
         post = None
+        if speaking is not None and any(speaking[i] for i in idx):
+            wire = _packed.Wire(tuple(speaking[i] for i in idx), sharded[0], opts.param_dtype,
+                                opts.reduce_dtype)  # fmt: skip
+            buckets.append(Bucket(tuple(idx), lays, tuple(sharded), comms, replicas,
+                                  out_dtype, False, None, wire))  # fmt: skip
+            continue
         if post_forward is not None and sharded:
             sizes = [lays[0].spec.mesh.size(m) for m in sharded]
             _post_forward.check(opts.label, post_forward, sizes, [lay.path for lay in lays])
@@ -497,9 +496,11 @@ def lower(
         )
     local = [b.local for b in buckets]
     uncast = all(d == f == (opts.param_dtype or d) for d, f in zip(dtypes, flat, strict=True))
+    packed = any(b.wire is not None for b in buckets)
     return Lowered(
-        tuple(buckets), len(dtypes), opts, mode, flat, all(local), any(local), all(local) and uncast
-    )
+        tuple(buckets), len(dtypes), opts, mode, flat, all(local), any(local),
+        all(local) and uncast, packed,
+    )  # fmt: skip
 
 
 def _weighted(b: Bucket, counts) -> tuple[tuple[C.Comm, ...], tuple[C.Comm, ...]]:
@@ -525,6 +526,12 @@ def arm(tensors: Sequence[torch.Tensor], lowered: Lowered) -> list[torch.Tensor]
     cast = [C.cast(x, d) for x, d in zip(tensors, dtypes, strict=True)]
     if not lowered.mode.asynchronous or lowered.local or not torch.is_grad_enabled():
         return cast
+    if lowered.packed:  # frozen low-precision shards (QLoRA's): nothing to wait for, no alias
+        live = [i for i, x in enumerate(cast) if x.requires_grad]
+        waited = C.Notify.apply(C.waiting(lowered.opts.label), *(cast[i] for i in live))
+        for i, x in zip(live, waited, strict=True):
+            cast[i] = x
+        return cast
     return list(C.Notify.apply(C.waiting(lowered.opts.label), *cast))
 
 
@@ -545,16 +552,20 @@ def issue(
     ``kept``: per bucket, the slice :func:`keep` kept after forward, or ``None``: those
     buckets are gathered from it within their sub-group (a re-gather, without autograd).
     """
-    tensors = list(armed) if armed is not None else arm(tensors, lowered)
+    shards, tensors = tensors, list(armed) if armed is not None else arm(tensors, lowered)
     # see [Note: a gather's copy-in follows the waits before it] in _compile
     after = after_waits() if lowered.mode is Mode.TRACED else None
     started = []
     for j, b in enumerate(lowered.buckets):
         xs = [tensors[i] for i in b.index]
         comms, replicas = (b.comms, b.replicas) if counts is None else _weighted(b, counts)
-        state: _Level | list[torch.Tensor]
+        state: _Level | list[torch.Tensor] | Any
         slice_ = None if kept is None else kept[j]
-        if slice_ is not None:  # see [Note: reshard to a smaller mesh]
+        if b.wire is not None:  # see [Note: FSDP2's all-gather protocol] in _packed
+            opts = lowered.opts.counted(counts) if counts is not None else lowered.opts
+            own = [shards[i] for i in b.index]
+            state = _packed.issue(b.wire, b.layouts, xs, own, comms[0], opts)
+        elif slice_ is not None:  # see [Note: reshard to a smaller mesh]
             state = _from_kept(b, slice_)
         elif b.local:  # see [Note: one rank communicates nothing] in _collectives
             comm = b.comms[0] if b.comms else b.replicas[0]
@@ -602,7 +613,8 @@ def wait_transfers(inflight: Inflight) -> None:
     full-size scratch) are gone: see [Note: refill after the transfer] in ``_schedule``.
     """
     for b in inflight.buckets:
-        if isinstance(b.state, _Level) and b.state.started is not None:
+        packed = b.bucket.wire is not None  # a ``_packed.Packing``
+        if packed or (isinstance(b.state, _Level) and b.state.started is not None):
             b.state.started.transferred()
 
 
@@ -630,6 +642,8 @@ def _copies_once(inflight: Inflight) -> bool:
     if len(inflight.buckets) != 1:
         return False
     started = inflight.buckets[0]
+    if started.bucket.wire is not None:  # the packed gather's node (``_packed.Gathered``)
+        return True
     level = started.state
     return (
         isinstance(level, _Level)
@@ -646,6 +660,14 @@ def _finish(inflight: Inflight, into, then) -> list[torch.Tensor]:
         b = started.bucket
         targets = None if into is None else [into[i] for i in b.index]
         fulls = started.state
+        if b.wire is not None:  # see [Note: FSDP2's all-gather protocol] in _packed
+            if targets is None:
+                fulls = _finish_packed(fulls, then)
+            else:
+                fulls = _packed.refill(fulls, targets)
+            for i, full in zip(b.index, fulls, strict=True):
+                out[i] = full
+            continue
         if isinstance(fulls, _Level):
             more = b.sharded[:-1]  # further sharded mesh dims: synchronous
             fulls = _finish_level(fulls, None if more else targets, then)
@@ -659,10 +681,58 @@ def _finish(inflight: Inflight, into, then) -> list[torch.Tensor]:
     return out  # type: ignore[return-value]
 
 
+def _finish_packed(p: _packed.Packing, then=None) -> list[torch.Tensor]:
+    """The full tensors of a packed bucket's first gather (see ``_packed``), recorded by
+    autograd: their gradients are reduce-scattered to the shards (:class:`_PackedGather`)."""
+    if not torch.is_grad_enabled() or not any(x.requires_grad for x in p.xs):
+        with torch.no_grad():
+            return _packed.rebuild(p)
+    return list(_PackedGather.apply(p, then, *p.xs))
+
+
+class _PackedGather(C._Function):
+    """A packed bucket's full tensors from its gather; backward: ``then`` (the post-backward
+    callback, see [Note: the copy-out node is the post-backward node]), then :func:`scatter`
+    of the differentiable leaves' gradients to their shards (in the call's ``grad_reduce``,
+    dtypes and mode; an unused output reduces as zeros)."""
+
+    @staticmethod
+    def forward(p: _packed.Packing, then, *xs):
+        return tuple(_packed.rebuild(p))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        p, ctx.then, *xs = inputs
+        ctx.p = dataclasses.replace(p, started=None, xs=(), shards=(), metadata=())
+        ctx.like = [(x.dtype, x.device) for x in xs]
+        ctx.set_materialize_grads(False)
+        frozen = [y for x, y in zip(xs, output, strict=True) if not x.requires_grad]
+        ctx.mark_non_differentiable(*frozen)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if ctx.then is not None:
+            grads = ctx.then(grads)
+        p, needs = ctx.p, ctx.needs_input_grad[2:]
+        idx = [i for i, n in enumerate(needs) if n]
+        fulls = []
+        for i in idx:
+            g = grads[i]
+            if g is None:  # an unused output: zeros, as the gather's backward reduces them
+                dtype, device = ctx.like[i]
+                dtype = p.wire.param_dtype or dtype
+                g = torch.zeros(p.layouts[i].levels[0], dtype=dtype, device=device)
+            fulls.append(g)
+        layouts, dtypes = [p.layouts[i] for i in idx], [ctx.like[i][0] for i in idx]
+        reduced = iter(scatter(fulls, layouts, dtypes, p.opts, p.mode))
+        return (None, None, *(next(reduced) if n else None for n in needs))
+
+
 def gather(tensors: Sequence[torch.Tensor], layouts: Sequence[Layout], opts: Options):
     """All-gather ``tensors`` to full tensors: :func:`issue` then :func:`finish`."""
     static = dataclasses.replace(opts, counts=None)
-    lowered = lower([t.dtype for t in tensors], layouts, static, Mode.now())
+    speaks = _subclass.speaking(tensors)
+    lowered = lower([t.dtype for t in tensors], layouts, static, Mode.now(), None, speaks)
     return finish(issue(tensors, lowered, counts=opts.counts))
 
 

@@ -1,19 +1,28 @@
-"""Which rank died, and what every rank is doing when one waits too long.
+"""Each rank's heartbeat, its record of what it is doing, and how it ended.
 
 [Note: a heartbeat per rank]
 From its first funcshard call on (:func:`doing`), every rank runs a daemon thread, the
 *watcher*, that adds 1 to its counter ``funcshard/beat/<rank>`` in the process group's store
-every ``_BEAT`` seconds (through its own connection: ``Store.clone``), after publishing its host
-and pid once. A rank that waits for a peer (at a store exchange, or after a collective failed)
-calls the peer dead when its process on this host is gone (at once), or when its counter has
-not moved for ``_SILENT`` seconds as seen by the waiting rank's own clock (no clocks are
-compared across hosts): a rank on any host is named within ``_BEAT + _SILENT`` seconds of its
-death. A rank that is alive but stuck keeps beating, and is covered by the wait's limit (see
-[Note: a hang explains itself]). Only waiting ranks read others' counters. The same counter
-carries requests for reports in its high bits (``_ASKED``): the ``add`` that beats also tells
-the watcher whether it was asked, so the normal path costs one store round trip per rank per
-``_BEAT``, and the watcher takes the GIL twice per ``_BEAT`` (on a machine whose cores are all
-busy, each time the GIL changes threads costs an OS scheduling delay: BENCHMARKS.md).
+every ``BEAT`` seconds (through its own connection: ``Store.clone``), after publishing its host
+and pid once. Only waiting ranks read others' counters (``_peers``), and silence alone never
+makes a peer dead (see [Note: a paused rank is not a dead rank] there). The same counter
+carries requests for reports in its high bits (``ASKED``; see [Note: a hang explains itself] in
+``_hangs``): the ``add`` that beats also tells the watcher whether it was asked, so the normal
+path costs one store round trip per rank per ``BEAT``, and the watcher takes the GIL twice per
+``BEAT`` (on a machine whose cores are all busy, each time the GIL changes threads costs an OS
+scheduling delay: BENCHMARKS.md).
+
+[Note: how a rank ended]
+A rank that ends publishes ``funcshard/end/<rank>`` (:class:`~._peers.Ended`): ``failed``, with
+its error's first line and the line of the user's code it was raised from (an uncaught
+exception, through ``sys.excepthook``), or ``exited`` (at interpreter exit, ``atexit``), each
+with its count of funcshard calls (the per-call checks of all ranks: ``RECORD.calls``). A
+waiting rank quotes it instead of saying "is gone": ``rank 1 failed first: ValueError: ...``,
+or ``rank 1 exited ... after 8 funcshard calls, while this rank is at call 9``. At exit, a rank
+waits (up to the wait's limit; ``_ENDING`` seconds if it failed) until every peer has ended or
+is gone: a store hosted here thus outlives the peers that read it, and a rank that exited after
+fewer calls than a peer says so and exits with status 1, since it left its peers waiting (a
+batch it skipped alone).
 
 [Note: what a rank is doing]
 ``RECORD`` is this process's last funcshard call (``fs.checkpoint.save``, the optimizer's clip,
@@ -23,54 +32,42 @@ the store exchange it waits in, if any. Updating it is a few attribute stores (n
 I/O), so it is kept always; it is read only when someone asks. It is per process, not passed
 around, because the watcher thread reads it while the main thread is blocked.
 
-[Note: a hang explains itself]
-A rank that waits for its peers longer than the limit (``FUNCSHARD_WAIT_TIMEOUT`` seconds;
-default: the store's timeout, which is the process group's) asks every rank what it is doing:
-it adds ``_ASKED`` to every rank's heartbeat counter; every watcher that sees its requests'
-count move answers once, whatever the number of requests since its last answer, under
-``funcshard/report/answer/<rank>`` (so many ranks asking at once cost no more writes), with the
-number of the latest request it saw, its ``RECORD`` and the Python stack of the thread
-that made the last funcshard call (``sys._current_frames``: works while that thread is blocked
-in a collective, which releases the GIL), and prints that answer on its own stderr. The waiting
-rank raises one error that lists, per rank, what it was doing and its stack. Ranks blocked in a
-collective get the same listing when that collective fails (its timeout, or a peer's death:
-:func:`explain`).
-
 [Note: no thread at exit]
 The watcher is stopped and joined at interpreter exit (``atexit``, which runs before the
 interpreter tears down its threads), and stops by itself when the process group it serves is
 destroyed: a daemon thread that is inside a store call while torch shuts down could otherwise
-take the GIL from a finalizing interpreter and abort the process. It imports no other funcshard
-module, so any module may note what it does.
+take the GIL from a finalizing interpreter and abort the process. It imports no funcshard
+module but ``_peers`` (which imports none), so any module may note what it does.
 """
 
 from __future__ import annotations
 
 import atexit
-import datetime
+import contextlib
 import os
 import pickle
-import socket
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Sequence
 
 import torch.distributed as dist
 
-_BEAT = 1.0  # seconds between two heartbeats of a rank
-_ASKED = 1 << 32  # a request for a report, added to a rank's heartbeat counter
-_SILENT = 5.0  # seconds without a heartbeat after which a rank is dead
-_ANSWER = 3.0  # seconds a rank asking for reports waits for the answers (beyond _BEAT)
+from . import _peers
+from ._peers import ASKED, BEAT, PREFIX, SILENT, Ended, Peers, limit
+
+_ENDING = BEAT + SILENT  # seconds a rank that failed waits at exit for its peers to end
 _STACK = 30  # frames of each rank's stack in a report
-_PREFIX = "funcshard/"
+# the folders whose frames are not the user's line in a published error
+_NOT_USERS = tuple(
+    os.path.dirname(os.path.dirname(os.path.abspath(m))) + os.sep for m in (__file__, dist.__file__)
+)
 
 
 class _Record:
     """What this rank is doing (see [Note: what a rank is doing])."""
 
-    __slots__ = ("call", "collective", "exchange", "issued", "step", "thread")
+    __slots__ = ("call", "calls", "collective", "exchange", "issued", "step", "thread")
 
     def __init__(self) -> None:
         self.call: str | None = None
@@ -79,6 +76,7 @@ class _Record:
         self.collective: tuple | None = None  # (op, group, label)
         self.issued = 0  # collectives funcshard issued on this rank
         self.exchange: str | None = None  # the store exchange this rank waits in
+        self.calls = 0  # the per-call checks of all ranks this rank began (``_store``)
 
     def describe(self) -> str:
         parts = [f"last funcshard call: {self.call or 'none yet'}"]
@@ -103,16 +101,19 @@ RECORD = _Record()
 
 
 class _Watcher:
-    __slots__ = ("group", "stop", "thread")
+    __slots__ = ("ended", "group", "rank", "size", "stop", "store", "thread")
 
     def __init__(self) -> None:
         self.group: object = None
         self.thread: threading.Thread | None = None
         self.stop = threading.Event()
+        self.store: dist.Store | None = None  # a connection of the main thread's, for the end
+        self.rank, self.size = 0, 1
+        self.ended: Ended | None = None  # what this rank published of its end
 
 
 _WATCHER = _Watcher()
-_HOST = socket.gethostname()  # tests stand in another host here
+_PREVIOUS_HOOK: list = []  # sys.excepthook before ours
 
 
 def doing(call: str) -> None:
@@ -149,8 +150,13 @@ def start() -> None:
     own = _connection(store)
     if own is None:
         return
-    store.set(f"{_PREFIX}alive/{rank}", f"{_HOST} {os.getpid()}")
-    store.add(f"{_PREFIX}beat/{rank}", 1)
+    _WATCHER.store, _WATCHER.rank, _WATCHER.size = _connection(store), rank, dist.get_world_size()
+    _WATCHER.ended = None
+    store.set(f"{PREFIX}alive/{rank}", f"{_peers.HOST} {os.getpid()}")
+    store.add(f"{PREFIX}beat/{rank}", 1)
+    if sys.excepthook is not _excepthook:
+        _PREVIOUS_HOOK[:] = [sys.excepthook]
+        sys.excepthook = _excepthook
     _WATCHER.thread = threading.Thread(
         target=_watch,
         args=(own, rank, world, _WATCHER.stop),
@@ -169,29 +175,29 @@ def _connection(store: dist.Store) -> dist.Store | None:
         return store if type(store).__module__.startswith("torch") else None
 
 
-@atexit.register
 def stop() -> None:
     """Stop this rank's watcher and wait for it (see [Note: no thread at exit])."""
     _WATCHER.stop.set()
     thread, _WATCHER.thread, _WATCHER.group = _WATCHER.thread, None, None
+    _WATCHER.store = None
     if thread is not None and thread is not threading.current_thread():
-        thread.join(timeout=_BEAT + 5.0)
+        thread.join(timeout=BEAT + 5.0)
 
 
 def _watch(store: dist.Store, rank: int, world: object, stop: threading.Event) -> None:
     answered = 0
     try:
-        while not stop.wait(_BEAT):
+        while not stop.wait(BEAT):
             if dist.group.WORLD is not world:  # destroyed (or replaced): nothing to serve
                 return
-            asked = store.add(f"{_PREFIX}beat/{rank}", 1) // _ASKED
+            asked = store.add(f"{PREFIX}beat/{rank}", 1) // ASKED
             if asked > answered:
-                answer = _answer(rank)
-                store.set(f"{_PREFIX}report/answer/{rank}", pickle.dumps((asked, answer)))
+                report = answer(rank)
+                store.set(f"{PREFIX}report/answer/{rank}", pickle.dumps((asked, report)))
                 answered = asked
                 print(
                     f"funcshard: rank {rank} was asked what it is doing: "
-                    f"{pickle.loads(answer)['doing']}",
+                    f"{pickle.loads(report)['doing']}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -199,7 +205,8 @@ def _watch(store: dist.Store, rank: int, world: object, stop: threading.Event) -
         return
 
 
-def _answer(rank: int) -> bytes:
+def answer(rank: int) -> bytes:
+    """This rank's report: where it runs, what it is doing, its stack (pickled)."""
     frame = sys._current_frames().get(RECORD.thread or threading.main_thread().ident)
     frames = traceback.extract_stack(frame) if frame is not None else []
     while frames and frames[-1].filename == __file__:  # this rank asks: not its own report
@@ -208,7 +215,7 @@ def _answer(rank: int) -> bytes:
     return pickle.dumps(
         {
             "rank": rank,
-            "where": f"{_HOST} pid {os.getpid()}",
+            "where": f"{_peers.HOST} pid {os.getpid()}",
             "doing": RECORD.describe(),
             "stack": stack,
         }
@@ -229,159 +236,90 @@ def _sequence(group) -> str:
         return ""
 
 
-# ---- waiting for peers -------------------------------------------------------------------------
-def limit(store: dist.Store) -> float:
-    """Seconds a rank waits for its peers before it asks them for reports and raises (see
-    [Note: a hang explains itself])."""
-    value = os.environ.get("FUNCSHARD_WAIT_TIMEOUT", "")
-    if not value:
-        return store.timeout.total_seconds()
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise ValueError(
-            f"FUNCSHARD_WAIT_TIMEOUT={value!r}: expected a number of seconds > 0 (how long a "
-            "rank waits for its peers before every rank reports what it is doing)."
-        )
-    return seconds
+# ---- how a rank ended --------------------------------------------------------------------------
+def failed(error: BaseException) -> None:
+    """Publish that this rank fails with ``error`` and is about to end (see [Note: how a rank
+    ended]); nothing without a watcher, or once this rank has published its end."""
+    if _WATCHER.store is None or _WATCHER.ended is not None:
+        return
+    lines = str(error).strip().splitlines()
+    text = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    text = text if len(text) <= 400 else text[:400] + " ..."
+    frames = traceback.extract_tb(error.__traceback__)
+    frame = next((f for f in reversed(frames) if not f.filename.startswith(_NOT_USERS)), None)
+    frame = frame or (frames[-1] if frames else None)
+    if frame is not None:
+        text += f" (raised at {frame.filename}:{frame.lineno}, in {frame.name})"
+    _publish(Ended("failed", RECORD.calls, text))
 
 
-class Silence:
-    """A waiting rank's view of its peers' heartbeats: when each counter last moved, by this
-    rank's clock (see [Note: a heartbeat per rank])."""
-
-    def __init__(self, store: dist.Store) -> None:
-        self.store = store
-        self.seen: dict[int, tuple[int | None, float]] = {}
-        self.where: dict[int, str] = {}  # "host pid" of each rank, once published
-
-    def dead(self, rank: int) -> str | None:
-        """How ``rank`` is known to be dead, else ``None``."""
-        if rank not in self.where:
-            key = f"{_PREFIX}alive/{rank}"
-            if self.store.check([key]):
-                self.where[rank] = self.store.get(key).decode()
-        gone = _process_gone(self.where[rank]) if rank in self.where else None
-        if gone is not None:
-            return gone
-        key = f"{_PREFIX}beat/{rank}"
-        beat = int(self.store.get(key)) % _ASKED if self.store.check([key]) else None
-        now = time.monotonic()
-        last = self.seen.get(rank)
-        if last is None or last[0] != beat:
-            self.seen[rank] = (beat, now)
-            return None
-        if beat is None or now - last[1] < _SILENT:  # never beat: it made no funcshard call yet
-            return None
-        return f"no heartbeat for {now - last[1]:.0f} s: its process or its host died"
+def _publish(ended: Ended) -> None:
+    _WATCHER.ended = ended
+    _WATCHER.store.set(f"{PREFIX}end/{_WATCHER.rank}", pickle.dumps(tuple(ended)))
 
 
-def _process_gone(where: str) -> str | None:
-    """How the process ``where`` (``"host pid"``) is known to be dead, else ``None``."""
-    host, pid = where.rsplit(" ", 1)
-    if host != _HOST:
+def _excepthook(kind, value, tb) -> None:
+    with contextlib.suppress(Exception):  # the store is gone: nothing to tell
+        failed(value)
+    (_PREVIOUS_HOOK[0] if _PREVIOUS_HOOK else sys.__excepthook__)(kind, value, tb)
+
+
+@atexit.register
+def _at_exit() -> None:
+    """Publish this rank's end, wait for its peers' and compare the counts of calls; stop the
+    watcher (see [Note: how a rank ended] and [Note: no thread at exit])."""
+    verdict = None
+    if _WATCHER.store is not None:
+        with contextlib.suppress(Exception):  # the store is gone: nothing to compare with
+            verdict = _compare_at_exit()
+    stop()
+    if verdict is not None:
+        sys.stdout.flush()
+        print(verdict, file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+def _compare_at_exit() -> str | None:
+    """Publish this rank's end, wait for its peers' ends (and for them to read this one's), and
+    return the error of a rank that exited after fewer funcshard calls than a peer."""
+    store, rank = _WATCHER.store, _WATCHER.rank
+    mine = _WATCHER.ended
+    if mine is None:
+        mine = Ended("exited", RECORD.calls)
+        _publish(mine)
+    peers = Peers(store, RECORD.calls)
+    others = [r for r in range(_WATCHER.size) if r != rank]
+    ends = _collect(peers, others, peers.ended, limit(store) if mine.how == "exited" else _ENDING)
+    store.set(f"{PREFIX}end/read/{rank}", b"1")  # the peers may exit: this rank has read theirs
+    _collect(peers, list(ends), lambda r: store.check([f"{PREFIX}end/read/{r}"]) or None, _ENDING)
+    ahead = {r: e for r, e in ends.items() if e.calls > mine.calls}
+    if mine.how != "exited" or not ahead:
         return None
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return f"its process {pid} on {host} has exited"
-    except OSError:  # no /proc: ask the OS
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            return f"its process {pid} on {host} has exited"
-        except OSError:
-            pass
-        return None
-    return f"its process {pid} on {host} is a zombie" if state in ("Z", "X") else None
-
-
-def reports(store: dist.Store, ranks: Sequence[int], silence: Silence) -> str:
-    """Ask every rank in ``ranks`` what it is doing; the answers, one paragraph per rank (see
-    [Note: a hang explains itself])."""
-    mine = dist.get_rank()
-    asked = {r: store.add(f"{_PREFIX}beat/{r}", _ASKED) // _ASKED for r in ranks if r != mine}
-    keys = {r: f"{_PREFIX}report/answer/{r}" for r in asked}
-    answers = {mine: pickle.loads(_answer(mine))} if mine in ranks else {}
-    dead: dict[int, str] = {}
-    deadline = time.monotonic() + _BEAT + _ANSWER
-    while keys and time.monotonic() < deadline:
-        for r, key in list(keys.items()):
-            seen, answer = pickle.loads(store.get(key)) if store.check([key]) else (0, None)
-            if seen >= asked[r]:
-                answers[r] = pickle.loads(answer)
-                del keys[r]
-            elif (how := silence.dead(r)) is not None:
-                dead[r] = how
-                del keys[r]
-        time.sleep(0.05)
-    out = []
-    for r in ranks:
-        if r in answers:
-            a = answers[r]
-            stack = a["stack"].rstrip().replace("\n", "\n    ")
-            out.append(
-                f"rank {r} ({a['where']}): {a['doing']}. Its stack (most recent call "
-                f"last):\n    {stack}"
-            )
-        elif r in dead:
-            out.append(f"rank {r}: dead ({dead[r]})")
-        else:
-            out.append(
-                f"rank {r}: no answer within {_BEAT + _ANSWER:.0f} s (its watcher is not "
-                "running: it made no funcshard call yet, or holds the GIL)"
-            )
-    return "\n  ".join(out)
-
-
-def hang(
-    where: str, behind: Sequence[int], waited: float, ranks: Sequence[int], silence: Silence
-) -> None:
-    """Raise the error of a rank that waited ``waited`` seconds at ``where`` for the ranks
-    ``behind`` (see [Note: a hang explains itself])."""
-    listing = reports(silence.store, ranks, silence)
-    raise RuntimeError(
-        f"funcshard: rank {dist.get_rank()} waited {datetime.timedelta(seconds=round(waited))} "
-        f"at {where}, but ranks {list(behind)} did not get there. What each rank is doing:\n  "
-        f"{listing}\nThe ranks called funcshard differently (a call one rank skipped or made "
-        "alone: a save, a clip, a caught error, one batch fewer), or a rank is stuck in other "
-        "work; the limit is FUNCSHARD_WAIT_TIMEOUT (seconds; default: the process group's "
-        "timeout). See docs/failures.md."
+    named = "; ".join(
+        f"rank {r} {'failed' if e.how == 'failed' else 'exited'} at call {e.calls}"
+        for r, e in ahead.items()
+    )
+    return (
+        f"funcshard: rank {rank} exited after {mine.calls} funcshard calls, but {named}: the "
+        "ranks made different numbers of funcshard calls (a batch skipped on some ranks only, "
+        "or a call made on some ranks only), so this rank left its peers waiting. Decide such "
+        "things on every rank alike (e.g. skip a bad batch on every rank, after an all_reduce "
+        "of a flag). This rank exits with status 1."
     )
 
 
-def explain(error: BaseException, what: str) -> None:
-    """For a collective (``what``) that failed with ``error``: raise an error that names the
-    ranks that died meanwhile (waiting up to ``_BEAT + _SILENT`` seconds to tell), or lists
-    what every rank is doing. Returns (the caller raises ``error``) when there is no process
-    group or store to ask."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        ranks = list(range(dist.get_world_size()))
-        mine = dist.get_rank()
-        silence = Silence(store)
-        deadline = time.monotonic() + _BEAT + _SILENT + 0.5
-        dead: dict[int, str] = {}
-        while not dead and time.monotonic() < deadline:
-            dead = {r: how for r in ranks if r != mine and (how := silence.dead(r)) is not None}
-            time.sleep(0.1)
-        listing = "" if dead else reports(store, ranks, silence)
-    except Exception:  # the store is gone too: the collective's own error says enough
-        return
-    if dead:
-        named = "; ".join(f"rank {r} is gone ({how})" for r, how in dead.items())
-        raise RuntimeError(
-            f"funcshard: {what} failed on rank {mine} because {named}. Restart the job (from "
-            f"the last checkpoint). This rank was doing: {RECORD.describe()}. The collective's "
-            f"error: {error}"
-        ) from error
-    raise RuntimeError(
-        f"funcshard: {what} failed on rank {mine} ({error}), and no rank is known to be dead. "
-        f"What each rank is doing:\n  {listing}\nA rank that is not at the same collective "
-        "called funcshard differently (see docs/failures.md)."
-    ) from error
+def _collect(peers: Peers, ranks: list[int], found, seconds: float) -> dict:
+    """``found(r)`` of each of ``ranks`` once it is not ``None``, for at most ``seconds``; a
+    rank that is lost (``Peers.lost``) is not waited for."""
+    out, waiting = {}, list(ranks)
+    deadline = time.monotonic() + seconds
+    while waiting and time.monotonic() < deadline:
+        for r in list(waiting):
+            value = found(r)
+            if value is not None:
+                out[r] = value
+            if value is not None or peers.lost(r):
+                waiting.remove(r)
+        if waiting:
+            time.sleep(0.05)
+    return out

@@ -2,7 +2,8 @@
 
 Used by the per-call agreement of the ranks (``_consensus``: [Note: one status per call]), debug
 mode's checked collectives (``_debug``) and record/replay (``_record``). Imports no funcshard
-module but ``_liveness`` (which imports none), so every layer can exchange.
+module but ``_liveness``, ``_peers`` and ``_hangs`` (which import no other), so every layer can
+exchange.
 
 [Note: one sequence per set of ranks]
 Exchanges are numbered per default process group and set of ranks, not per group object: a
@@ -15,12 +16,13 @@ previous exchange once the next one completed (everyone has read it by then).
 
 [Note: waiting for a rank that is gone]
 The wait polls the store (with a short back-off: no busy loop, no c10d timeout warnings) and,
-every quarter second, checks that the ranks it still waits for are alive (see [Note: a
-heartbeat per rank] in ``_liveness``): a dead rank's key is set to ``GONE`` and the reason by the
-first rank to notice, so every rank sees it and raises, naming it. A rank that is alive but
-does not come within the limit (see [Note: a hang explains itself]) makes every waiting rank
-raise with every rank's report. A store that cannot be reached (its host, usually rank 0's,
-died) is reported as such, not as a timeout.
+every quarter second, asks what is known of the ranks it still waits for (see [Note: a paused
+rank is not a dead rank] in ``_peers``): for a rank that ended (its error, or an exit after
+fewer calls) or died, its key is set to ``GONE`` and that clause by the first rank to notice,
+so every rank sees it and raises, quoting it. A rank that is alive but does not come within the
+limit (see [Note: a hang explains itself] in ``_hangs``) makes every waiting rank raise with
+every rank's report. A store that cannot be reached (its host, usually rank 0's, died) is
+reported as such, not as a timeout.
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
-from . import _liveness
+from . import _hangs, _liveness, _peers
 
-GONE = b"G"  # a value that stands in for a dead rank's
+GONE = b"G"  # a value that stands in for the value of a rank that ended or died
 COLLECTIVE = b"C"  # the start of a value of debug mode's exchanges (``_debug``)
 CALL = "status"  # the exchange of the per-call checks and of debug mode's collectives
 # per (default group, set of ranks): see [Note: one sequence per set of ranks]
@@ -78,6 +80,8 @@ def exchange(what: str, value: bytes, group: dist.ProcessGroup | None = None) ->
     stream = (dist.group.WORLD, ranks)  # a new default group (re-initialised) starts afresh
     seq = next(_SEQUENCE.setdefault(stream, itertools.count()))
     name = "" if len(ranks) == dist.get_world_size() else "-".join(map(str, ranks))
+    if not name:  # the count of funcshard calls a rank's end reports
+        _liveness.RECORD.calls = seq + 1
     prefix = f"funcshard/agree/{name}/{seq}/{what}/"
     keys = [f"{prefix}{r}" for r in ranks]
     try:
@@ -109,8 +113,8 @@ def ranks_of(group: dist.ProcessGroup) -> tuple[int, ...]:
 
 def _wait(store: dist.Store, keys: list[str], ranks: tuple[int, ...], where: str) -> None:
     """Until every key is set; see [Note: waiting for a rank that is gone]."""
-    limit = _liveness.limit(store)
-    silence = _liveness.Silence(store)
+    limit = _peers.limit(store)
+    peers = _peers.Peers(store, _liveness.RECORD.calls)
     start = checked = time.monotonic()
     pause, polls = 5e-5, 0
     while not store.check(keys):
@@ -123,15 +127,15 @@ def _wait(store: dist.Store, keys: list[str], ranks: tuple[int, ...], where: str
         if now - start > limit:
             missing = [r for r, k in zip(ranks, keys, strict=True) if not store.check([k])]
             try:
-                _liveness.hang(
-                    f"{where} of {_liveness.RECORD.call}", missing, now - start, ranks, silence
+                _hangs.hang(
+                    f"{where} of {_liveness.RECORD.call}", missing, now - start, ranks, peers
                 )  # raises
             finally:
                 _liveness.RECORD.exchange = None
         if now - checked > 0.25:
             checked = now
             for r, k in zip(ranks, keys, strict=True):
-                gone = not store.check([k]) and silence.dead(r)
+                gone = not store.check([k]) and peers.dead(r)
                 if gone:
                     store.set(k, GONE + gone.encode())  # stands in for it: every rank sees it
         time.sleep(pause)

@@ -34,7 +34,8 @@ def value_and_grad(
     Gradients have the structure of the differentiated arguments and the same leaf types:
     DTensors with the inputs' placements (or LocalShards for LocalShard inputs), reduced as the
     ``unshard`` / ``schedule`` calls inside ``fn`` say (``grad_reduce="mean"`` by default). An
-    input that does not influence the value gets zero gradients. Frozen leaves
+    input that does not influence the value gets zero gradients; a value without autograd
+    history raises (see [Note: a value without autograd history]). Frozen leaves
     (``requires_grad=False``) and integer leaves get ``None``, with no communication for them
     (see [Note: frozen leaves] for trees where no leaf requires grad). Plain autograd underneath:
     ``fn`` runs once with fresh leaves, then one ``torch.autograd.grad``. A tensor with a
@@ -58,7 +59,9 @@ def value_and_grad(
 
     Raises:
         TypeError: the value is not a scalar tensor, or a differentiated leaf is not a tensor.
-        ValueError: ``grad_placements`` that do not refine a parameter's placements.
+        ValueError: the value has no autograd history (``fn`` ran under ``torch.no_grad()``, or
+            detached it) while there are leaves to differentiate; ``grad_placements`` that do
+            not refine a parameter's placements.
         NotImplementedError: ``grad_placements`` with ``sync_grads=False``, inside a
             ``torch.func`` transform or ``torch.compile``, or for a 2-D (FSDP x TP) layout.
     """
@@ -89,7 +92,7 @@ def value_and_grad(
             inputs_leaves.extend(fresh)
         collect = _sink.collecting() if not sync_grads else nullcontext()
         into = _grad_layout.Into(moved) if moved else None
-        outer = bool(_spec.DIRECT)  # see [Note: a value that does not depend on the inputs]
+        outer = bool(_spec.DIRECT)  # see [Note: a value without autograd history]
         _spec.DIRECT.append(direct)
         try:
             batch = [a for i, a in enumerate(args) if i not in nums and i - len(args) not in nums]
@@ -104,8 +107,8 @@ def value_and_grad(
                 _check_value(fn, value, has_aux)
                 if outer:
                     _NESTED.add(id(_spec.DIRECT[-2]))
-                elif not value.requires_grad and id(direct) in _NESTED:
-                    raise _nested_error(fn)
+                if not value.requires_grad and any(t is not None for t in inputs):
+                    raise _nested_error(fn) if id(direct) in _NESTED else _no_history_error(fn)
                 if sink is None:
                     grads = _grads(value, inputs, inputs_leaves, direct, into)
                 else:
@@ -143,13 +146,22 @@ def grad(
     return wrapped
 
 
-# [Note: a value that does not depend on the inputs]
-# A value with no autograd history (``torch.tensor(1.0)``, or a loss that does not use the
-# parameters) gets zero gradients, as documented and as ``jax.grad`` gives (``autograd.grad``
-# would raise "element 0 of tensors does not require grad"). One exception: a value computed by a
-# nested ``fs.value_and_grad``, whose value is detached (it is a value, not a graph): the
-# gradients the outer call asks for would silently be zeros, so that raises. ``_NESTED`` holds
-# the outer calls (by the id of their entry on ``_spec.DIRECT``) inside which an inner one ran.
+# [Note: a value without autograd history]
+# A value that does not depend on some differentiated leaves gives them zero gradients (a frozen
+# branch, an unused head: ``autograd.grad(..., allow_unused=True)``, then zeros). A value with no
+# autograd history at all -- the forward ran under ``torch.no_grad()`` or
+# ``torch.inference_mode()``, or the loss was detached (``.detach()``, ``.item()``,
+# ``torch.tensor(...)``) -- depends on none of them, and zeros would train nothing, silently:
+# that raises, as ``torch.autograd.grad`` refuses such a value. The check is local and costs
+# nothing; the ranks cannot silently disagree about it where it matters: a forward under
+# ``no_grad`` on some ranks only is refused by the per-call check of its first ``unshard`` /
+# ``schedule`` call, whose status says whether the call computes gradients (``_counts.agree``),
+# before any collective. A value detached on some ranks only, after a forward with gradients,
+# raises there, while the others wait in their backward's collectives until that rank exits
+# and its error is quoted (``_liveness``), or, if it catches it, until the wait's limit. A
+# value computed by a nested ``fs.value_and_grad`` is detached too (a value, not a graph): that
+# gets its own message. ``_NESTED`` holds the outer calls (by the id of their entry on
+# ``_spec.DIRECT``) inside which an inner one ran.
 _NESTED: set[int] = set()
 
 
@@ -159,6 +171,18 @@ def _nested_error(fn) -> TypeError:
         "inside another fs.value_and_grad, and its value depends on the inner one's value, which "
         "is detached: the outer gradients would be zeros. Differentiate once (return what you "
         "need as aux with has_aux=True), or use torch.func.grad for higher-order derivatives."
+    )
+
+
+def _no_history_error(fn) -> ValueError:
+    return ValueError(
+        f"value_and_grad: {getattr(fn, '__name__', 'fn')} returned a value without autograd "
+        "history (requires_grad=False), so it depends on none of the differentiated leaves and "
+        "every gradient would be zero. Likely cause: the forward ran under torch.no_grad() or "
+        "torch.inference_mode() (inside the loss, or in a module's forward), or the loss was "
+        "detached (.detach(), .item(), torch.tensor(...)); torch.autograd.grad refuses such a "
+        "value too. Compute the loss with grad mode on; to evaluate it without gradients, call "
+        "the loss directly under torch.no_grad()."
     )
 
 
@@ -309,7 +333,8 @@ def _grads(value, inputs, leaves, direct, into=None) -> list[Any]:
 
 def _autograd(value: torch.Tensor, wanted: list) -> tuple:
     """``autograd.grad`` with ``None`` for unused inputs; all ``None`` for a value without
-    history (see [Note: a value that does not depend on the inputs])."""
+    history (refused before where a leaf is differentiated: see [Note: a value without
+    autograd history])."""
     if not wanted:
         return ()
     if not value.requires_grad:

@@ -44,10 +44,18 @@ from torch.distributed.tensor import DTensor
 
 from .._runtime import _mode
 from .._trees._dtensor import placed_like
+from .._trees._subclass import fresh, inner, is_subclass
 from .._trees._tree import flatten, unflatten
 from ._host import HostReads
 from ._signature import Keys, difference
 from ._signature import local as _local
+
+
+def _address(x: torch.Tensor) -> int:
+    """Where ``x``'s (local) data is: a tensor subclass's (a low-precision weight), its first
+    inner tensor's."""
+    x = _local(x)
+    return x.data_ptr() if type(x) is torch.Tensor or not is_subclass(x) else inner(x)[0].data_ptr()
 
 
 class _Backend:
@@ -92,7 +100,7 @@ class _Rerun:
                 return
             again = fn()
             for a, b in zip(flatten(first)[1], flatten(again)[1], strict=True):
-                if isinstance(a, torch.Tensor) and _local(a).data_ptr() != _local(b).data_ptr():
+                if isinstance(a, torch.Tensor) and _address(a) != _address(b):
                     _local(a).copy_(_local(b))
 
         return first, replay
@@ -153,7 +161,7 @@ class CudaGraphed:
         if entry.replay is None:
             self._capture(entry, leaves, spec, backend)
         for x, slot, local in zip(leaves, entry.slots, entry.local_slots, strict=True):
-            if x is not slot and local is not None and _local(x).data_ptr() != local.data_ptr():
+            if x is not slot and local is not None and _address(x) != _address(local):
                 local.copy_(_local(x))
         entry.replay()
         outs = entry.out_leaves
@@ -198,7 +206,7 @@ class CudaGraphed:
             if i in entry.donated:
                 slots.append(x)
             else:
-                copy = _local(x).detach().clone()
+                copy = _copy(_local(x))
                 slots.append(placed_like(copy, x) if isinstance(x, DTensor) else copy)
         args, kwargs = unflatten(spec, slots)
         checker = HostReads(device, "cuda_graph: the step cannot be captured")
@@ -210,15 +218,20 @@ class CudaGraphed:
             if found is None:
                 raise
             raise RuntimeError(f"cuda_graph: the step cannot be captured: {found}") from e
-        ptrs = {_local(s).data_ptr() for s in slots if isinstance(s, torch.Tensor)}
+        ptrs = {_address(s) for s in slots if isinstance(s, torch.Tensor)}
         entry.slots, entry.out, entry.replay = slots, out, replay
         entry.local_slots = [_local(s) if isinstance(s, torch.Tensor) else None for s in slots]
         # per output leaf: True (a slot), False (the graph's memory: copied out), None (no tensor)
         entry.out_leaves, entry.out_spec = optree.tree_flatten(out, none_is_leaf=True)
         entry.aliased = [
-            (_local(x).data_ptr() in ptrs) if isinstance(x, torch.Tensor) else None
-            for x in entry.out_leaves
+            (_address(x) in ptrs) if isinstance(x, torch.Tensor) else None for x in entry.out_leaves
         ]
+
+
+def _copy(x: torch.Tensor) -> torch.Tensor:
+    """A slot for ``x``: a copy of it (of a tensor subclass, made as ``fs.shard`` makes its
+    shards: see [Note: sharding a tensor subclass])."""
+    return fresh(x) if is_subclass(x) else x.detach().clone()
 
 
 def _refuse_host_tensors(paths: list[str], leaves: list) -> None:
@@ -236,13 +249,11 @@ def _refuse_host_tensors(paths: list[str], leaves: list) -> None:
 def _donated(leaves: list, out: Any) -> frozenset[int]:
     """Indices of input tensors that ``out`` holds as they were (the same storage)."""
     returned = {
-        _local(x).data_ptr()
-        for x in flatten(out, none_is_leaf=True)[1]
-        if isinstance(x, torch.Tensor)
+        _address(x) for x in flatten(out, none_is_leaf=True)[1] if isinstance(x, torch.Tensor)
     }
     return frozenset(
         i for i, x in enumerate(leaves)
-        if isinstance(x, torch.Tensor) and _local(x).numel() and _local(x).data_ptr() in returned
+        if isinstance(x, torch.Tensor) and _local(x).numel() and _address(x) in returned
     )  # fmt: skip
 
 

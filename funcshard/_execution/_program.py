@@ -27,6 +27,8 @@ the compute step they precede, so that moving to a group's next run is a lookup,
 from __future__ import annotations
 
 import dataclasses
+import types
+from collections.abc import Mapping
 
 from .._plans._plan import Plan, Step
 from .._runtime._mode import Mode
@@ -38,7 +40,8 @@ class Phase:
 
     ``runs[j]`` is the group of the ``j``-th compute step, ``before[j]`` the steps the executor
     runs before it (since run ``j - 1``), ``arm[j]`` the group whose gather is armed when run
-    ``j`` starts (forward only, see ``_flat.arm``), ``rest`` the steps after the last run.
+    ``j`` starts (forward only, see ``_flat.arm``), ``rest`` the steps after the last run,
+    ``last[g]`` the index of group ``g``'s last run.
     """
 
     compute: str  # "forward" or "backward"
@@ -46,6 +49,7 @@ class Phase:
     before: tuple[tuple[Step, ...], ...]
     arm: tuple[str | None, ...]
     rest: tuple[Step, ...]
+    last: Mapping[str, int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +82,8 @@ def _phase(steps: tuple[Step, ...], compute: str, mode: Mode, frozen: frozenset[
         next((g for g in runs[j + 1 :] if g != runs[j]), None) if compute == "forward" else None
         for j in range(len(runs))
     )
-    return Phase(compute, tuple(runs), tuple(before), arm, tuple(pending))
+    last = types.MappingProxyType({g: j for j, g in enumerate(runs)})
+    return Phase(compute, tuple(runs), tuple(before), arm, tuple(pending), last)
 
 
 def _runs(step: Step, compute: str, mode: Mode, frozen: frozenset[str]) -> bool:
@@ -102,18 +107,21 @@ class Cursor:
         runs = self.phase.runs
         return next((j for j in range(self.run + 1, len(runs)) if runs[j] == group), None)
 
-    def advance(self, j: int) -> list[Step]:
-        """Move to run ``j``; return the steps on the way (those of runs skipped included: every
-        rank issues the same collectives)."""
-        todo = [s for k in range(self.run + 1, j + 1) for s in self.phase.before[k]]
+    def advance(self, j: int) -> list[tuple[tuple[Step, ...], str]]:
+        """Move to run ``j``; return, for each run on the way (``j`` last), the steps before it
+        and its group: those of runs the module skipped included (every rank issues the same
+        collectives; see [Note: the collectives follow the plan] in ``_deviation``)."""
+        runs, before = self.phase.runs, self.phase.before
+        todo = [(before[k], runs[k]) for k in range(self.run + 1, j + 1)]
         self.run = j
         return todo
 
-    def rest(self) -> list[Step]:
-        """Move past the last run; return the steps on the way."""
+    def rest(self) -> list[tuple[tuple[Step, ...], str | None]]:
+        """Move past the last run; return the runs on the way as :meth:`advance` does, then the
+        steps after the last run (with the group ``None``)."""
         last = len(self.phase.runs)
         if self.run >= last:  # already past
             return []
-        todo = [s for k in range(self.run + 1, last) for s in self.phase.before[k]]
+        todo = self.advance(last - 1) if self.run < last - 1 else []
         self.run = last
-        return [*todo, *self.phase.rest]
+        return [*todo, (self.phase.rest, None)]

@@ -225,7 +225,8 @@ def without_cache(sub: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dic
     """``(args, kwargs)`` for a Hugging Face layer ``sub`` in a recomputed group: no cache
     (``use_cache=False``, its cache arguments ``None``, passed by keyword or position), as
     Hugging Face's own gradient checkpointing runs its layers; warns (once per layer class) when
-    that changed anything. Other modules' arguments are returned unchanged."""
+    that changed anything. A layer without a cache (none in its signature, none given) and
+    other modules get their arguments unchanged."""
     layers = sys.modules.get("transformers.modeling_layers")
     hf_layer = getattr(layers, "GradientCheckpointingLayer", None)
     if hf_layer is None or not isinstance(sub, hf_layer):
@@ -235,7 +236,13 @@ def without_cache(sub: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dic
     except (TypeError, ValueError):  # the call fails as it is: let the forward say why
         return args, kwargs
     named = {**bound.arguments, **bound.arguments.get(_var_keyword(bound), {})}
-    changed = {"use_cache": False} if named.get("use_cache") else {}
+    # a layer that names no cache and is given none (Whisper's encoder layers, which get
+    # use_cache only inside **kwargs, passed on to a model-wide call) writes no cache
+    declared = bound.signature.parameters
+    cached = any(k in declared for k in ("use_cache", *_CACHE_ARGS)) or any(
+        named.get(k) is not None for k in _CACHE_ARGS
+    )
+    changed = {"use_cache": False} if named.get("use_cache") and cached else {}
     if not getattr(sub, "_can_checkpoint_with_cache", False):  # a layer that only reads it
         changed |= {k: None for k in _CACHE_ARGS if named.get(k) is not None}
     if not changed:

@@ -30,8 +30,9 @@ and for correctness:
   is still read.
 
 A region falls back to an ordinary call (inlined in the step's graph) when its graphs cannot be
-made: DTensor parameters (FSDP x TP), an output that is not a floating-point tensor requiring
-grad, a tensor constant, an integer saved for backward; or when it draws random numbers
+made: DTensor parameters (FSDP x TP) or other tensor subclasses (low-precision weights), an
+output that is not a floating-point tensor requiring grad, a tensor constant, an integer saved
+for backward; or when it draws random numbers
 (dropout): the compiler seeds a subgraph's random ops once, so every call of a shared subgraph
 would draw the same numbers.
 """
@@ -59,6 +60,7 @@ from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from .._plans._plan import Plan
 from .._trees._deferred import release_all
 from .._trees._extract import aliases
+from .._trees._subclass import is_subclass
 from ._recompute import prepared
 from ._region_key import known
 
@@ -121,8 +123,8 @@ def _graphs(call, real: list, cache: dict) -> _Graphs | None:
     """The region's graphs, or ``None`` to run it inline. A group whose key is known before
     tracing (see [Note: identical groups known before tracing] in ``_region_key``) takes the
     graphs of the first group with that key, untraced."""
-    if any(isinstance(t, DTensor) for t in real):  # FSDP x TP: DTensor parameters
-        return None
+    if any(isinstance(t, DTensor) or is_subclass(t) for t in real):  # FSDP x TP's DTensor
+        return None  # parameters, low-precision weights: invoke_subgraph takes plain tensors
     early = known(call, real)
     if early is not None and early in cache:
         graphs, outputs = cache[early]

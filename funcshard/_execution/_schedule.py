@@ -55,10 +55,10 @@ hold both at once, at backward's memory peak (``benchmarks/memory.py`` measured 
 more than FSDP2's peak on 1024x4096 MLP blocks). The copy itself is the same either way.
 
 [Note: out-of-plan use]
-A group used when the plan does not expect it is never wrong: if its tensors are unsharded it
-is simply used; otherwise it is gathered on demand (synchronously) with a ``UserWarning`` naming
-the expected and the actual group. Runs the model skips are stepped over (their gathers still
-happen, so every rank issues the same collectives).
+Every rank issues the plan's collectives in the plan's order, whatever the module's forward does:
+runs it skips are gathered and reduce-scattered (with zero gradients, exactly), and a use the
+plan cannot serve without a gather of its own is not gathered on demand: see [Note: the
+collectives follow the plan] in ``_deviation``.
 """
 
 from __future__ import annotations
@@ -77,20 +77,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .._communication import _counts, _flat, _grad_layout, _liveness
+from .._communication import _counts, _flat, _grad_layout, _liveness, _packed
 from .._communication._collectives import Notify
-from .._communication._consensus import cached_digest, failing, leaf
+from .._communication._consensus import cached_digest, defer, failing, leaf
 from .._plans._plan import Plan, Step, after_forward, post_forward_ranks
 from .._runtime import _compile, _sink
 from .._runtime._compat import storage_key
 from .._runtime._mode import Mode
 from .._runtime._profiling import span
-from .._trees import _parallel
+from .._trees import _parallel, _subclass
 from .._trees._activation_checkpoint import bind, check_not_reentrant, current_frame, reparametrized
 from .._trees._deferred import Deferred
 from .._trees._extract import Walk, aliases, call, check_not_wrapped, slots
 from .._trees._spec import LocalShard, as_locals, check_materialized
-from . import _program, _recompute, _regions
+from . import _deviation, _program, _recompute, _regions
 
 
 def schedule(
@@ -162,8 +162,7 @@ def schedule(
             _naming_freed(run),
         ):
             out = call(module, named, args, kwargs)
-        run.end_forward()
-        return out
+        return run.end_forward(out)
 
     apply.scheduled = Scheduled(module, plan, param_dtype, reduce_dtype, grad_reduce)
     return apply
@@ -279,7 +278,7 @@ def _static(plan: Plan, names, locals_, specs, opts: _flat.Options, mode: Mode, 
     key = None
     if not mode.traced:
         leaves = tuple(
-            (s, t.dtype, t.requires_grad, t.shape, t.device)
+            (s, type(t), t.dtype, t.requires_grad, t.shape, t.device)
             for s, t in zip(specs, locals_, strict=True)
         )
         meshes = tuple(dict.fromkeys(id(s.mesh) for s in specs))
@@ -310,7 +309,8 @@ def _static(plan: Plan, names, locals_, specs, opts: _flat.Options, mode: Mode, 
         )
         dtypes = [t.dtype for t in locals_[at : at + n]]
         post = post_forward_ranks(g.reshard_after_forward)
-        lowered = _flat.lower(dtypes, layouts[at : at + n], options, mode, post)
+        speaks = _subclass.speaking(locals_[at : at + n])  # see [Note: FSDP2's all-gather ...]
+        lowered = _flat.lower(dtypes, layouts[at : at + n], options, mode, post, speaks)
         groups[g.name] = _GroupStatic(layouts[at : at + n], tuple(specs[at : at + n]), lowered)
         at += n
     frozen = frozenset(g.name for g in plan.groups if not any(names_grad[p] for p in g.params))
@@ -349,10 +349,11 @@ def _storage(t: torch.Tensor) -> int | None:
 class _Saved:
     """What the pack hook keeps for a saved tensor that belongs to a group's full parameters."""
 
-    __slots__ = ("group", "raw", "tensor")
+    __slots__ = ("follows", "group", "raw", "tensor")
 
-    def __init__(self, group: str, tensor: torch.Tensor, raw: list[torch.Tensor]) -> None:
+    def __init__(self, group: str, tensor: torch.Tensor, raw: list[torch.Tensor], follows: bool):
         self.group, self.tensor, self.raw = group, tensor, raw  # raw: the gather it came from
+        self.follows = follows  # saved by a use the plan runs: its unpack moves the cursor
 
 
 class State(enum.Enum):
@@ -394,6 +395,7 @@ class _Group:
         self.armed: list[torch.Tensor] | None = None  # see _flat.arm
         self.raw: list[torch.Tensor] | None = None  # gathered tensors (storage owners)
         self.fulls: list[torch.Tensor] | None = None  # what the module computes with
+        self.local_fulls: list[torch.Tensor] | None = None  # the same, before wrap (FSDP x TP)
         self.storages: list[tuple[torch.UntypedStorage, int]] = []
         # per bucket, the slice kept after forward (see [Note: reshard to a smaller mesh])
         self.kept: list[torch.Tensor | None] | None = None
@@ -454,8 +456,8 @@ class _Group:
                 # the post-backward callback frees: nothing to free, no node
                 notify = notify if self.storages and not notified else None
                 fulls = _grad_layout.capture(self.leaves, self.raw, self.opts)  # ZeRO-2
-                self.fulls = list(Notify.apply(notify, *fulls)) if notify else fulls
-                self.fulls = _parallel.wrap(self.fulls, self.specs)
+                self.local_fulls = list(Notify.apply(notify, *fulls)) if notify else fulls
+                self.fulls = _parallel.wrap(self.local_fulls, self.specs)
             elif self.mode is Mode.TRACED:  # new tensors: see [Note: a plan under torch.compile]
                 with torch.no_grad():
                     self.raw = _flat.finish(inflight)
@@ -472,7 +474,8 @@ class _Group:
         shards themselves (a mesh of one rank gathers nothing, see ``_flat``)."""
         shards = {storage_key(t) for t in self.locals} if self.lowered.aliases else ()
         seen = {}
-        for t in self.raw:
+        # a full tensor rebuilt by FSDP2's hooks holds the storage of its gathered outputs
+        for t in _packed.owners(self.raw) if self.lowered.packed else self.raw:
             s, key = t.untyped_storage(), storage_key(t)
             if key not in shards:
                 seen.setdefault(key, (s, s.nbytes()))
@@ -507,7 +510,8 @@ class _Group:
         """Keys of the full tensors for ``_Run.owner``: their storages' addresses; traced, the
         ids of the tensors they view (see [Note: a plan under torch.compile])."""
         if self.mode is Mode.TRACED:
-            return [id(_compile.root(t)) for t in self.raw or ()] if self.resident else []
+            raw = _packed.owners(self.raw) if self.lowered.packed else self.raw or ()
+            return [id(_compile.root(t)) for t in raw] if self.resident else []
         return [storage_key(s) for s, _ in self.storages if s.nbytes()]
 
 
@@ -529,6 +533,7 @@ class _Run:
         locals_, specs = as_locals(names, [sharded[p] for p in names], "schedule")
         static, counts = _static(plan, names, locals_, specs, opts, mode, count)
         self.shards_only = static.shards_only
+        self.packed = any(g.lowered.packed for g in static.groups.values())
         at = 0
         for g in plan.groups:
             n = len(g.params)
@@ -550,6 +555,13 @@ class _Run:
         self.rebind: tuple[nn.Module, dict[str, Any]] | None = None
         self.pending_backward = set(self.groups)  # groups whose backward has not completed
         self.recomputing = 0
+        # see [Note: the collectives follow the plan] in _deviation: the groups the operation
+        # being resolved uses outside the plan, those of them it gets zeros for, and the
+        # Skipped zeros of the runs the forward skipped
+        self.outside: set[str] = set()
+        self.zeroed: set[str] = set()
+        self.skipped: list[torch.Tensor] = []
+        self.deviated: set[str] = set()  # groups already named to the user
         self.sealed: str | None = None  # a recompute group's forward is running (_recompute)
 
     # ---- what the module sees ------------------------------------------------------------
@@ -574,16 +586,25 @@ class _Run:
             self._bind_region()
         for state in dict.fromkeys(state for state, _ in places):
             if self.in_forward:
-                self._use(self.forward, state.name)
+                followed = self._use(self.forward, state.name)
             elif self.recomputing:  # a checkpoint region's forward, again, in backward
-                self._use(self.backward, state.name)
+                followed = self._use(self.backward, state.name)
             else:  # the module kept a Deferred and used it after forward
-                self._ensure(state.name)
+                followed = False
+            if not followed:  # see [Note: the collectives follow the plan] in _deviation
+                self.outside.add(state.name)
+                if not self._outside(state.name):
+                    self.zeroed.add(state.name)
+        if self.zeroed:  # see [Note: the collectives follow the plan] in _deviation
+            return [self._zeros(state, i) if state.name in self.zeroed else state.fulls[i]
+                    for state, i in places]  # fmt: skip
         return [state.fulls[i] for state, i in places]
 
     def release(self) -> None:
         """The operation ran: do the frees held back while it needed its groups."""
         self.holding = set()
+        if self.outside:
+            self.outside, self.zeroed = set(), set()
         held, self.held_frees = self.held_frees, []
         for state, keep in held:
             self._free(state, keep)
@@ -611,19 +632,24 @@ class _Run:
             self.recomputing -= 1
 
     # ---- moving through the plan ---------------------------------------------------------
-    def _use(self, cursor: _program.Cursor, group: str) -> None:
+    def _use(self, cursor: _program.Cursor, group: str) -> bool:
+        """Move ``cursor`` to ``group``'s next run and make it usable; ``False`` (nothing done)
+        if the plan has no run of ``group`` ahead, or -- in forward -- ``group`` is unsharded
+        and its next run is not the next one (an early use, not a skip: see [Note: the
+        collectives follow the plan] in ``_deviation``)."""
         if cursor.current() != group:
             j = cursor.find(group)
             if j is None:
-                self._ensure(group)
-                return
-            for step in cursor.advance(j):
-                self._execute(step)
+                return False
+            if j > cursor.run + 1 and cursor is self.forward and self.groups[group].resident:
+                return False  # needs no gather: used early, not a skip (see _deviation)
+            self._advance(cursor, j)
             following = cursor.phase.arm[j]
             if following is not None and torch.is_grad_enabled():
                 self.groups[following].arm()  # see _flat.arm: overlap of its reduce-scatter
             self._enter(cursor.phase.compute, group)
         self._ensure(group)
+        return True
 
     def _execute(self, step: Step) -> None:
         """Run one step of the lowered plan (see [Note: the plan lowered] in ``_program``)."""
@@ -641,24 +667,44 @@ class _Run:
                 self._free(state, keep)
 
     def _ensure(self, group: str) -> None:
-        """Make ``group`` usable; warn if that takes a gather the plan did not schedule."""
+        """Make ``group`` usable where the plan has it (it is unsharded, or being gathered)."""
+        state = self.groups[group]
+        if not state.resident:
+            self._make_resident(state)
+
+    def _outside(self, group: str) -> bool:
+        """``group`` is used where the plan does not run it: whether it is usable -- unsharded,
+        being gathered, or communicating nothing; if not, the use gets zeros and the rank an
+        error (see [Note: the collectives follow the plan] in ``_deviation``)."""
         state = self.groups[group]
         if state.resident:
-            return
-        if not state.pending:
-            cursor = self.forward if self.in_forward else self.backward
+            return True
+        if state.pending:
+            self._make_resident(state)
+            return True
+        cursor = self.forward if self.in_forward else self.backward
+        if state.lowered.local or self.mode.traced or self.mode.captured:
+            why = "it communicates nothing" if state.lowered.local else (
+                "recorded once: every rank's graph must take the same path")  # fmt: skip
             warnings.warn(
                 f"funcshard: rank {dist.get_rank()}: group {group!r} used out of the planned "
                 f"{cursor.phase.compute} order (planned: {cursor.current()!r}); gathering it on "
-                "demand. "
-                "Record the plan with example inputs like this call's (fs.plan(..., "
-                "example_args=(...), example_kwargs={...})), or pass order= to fs.plan. "
-                "If other ranks take another path (data-dependent control flow), their "
-                "collectives no longer match: the run fails at the process group's timeout (see "
-                "docs/failures.md).",
-                stacklevel=4,
+                f"demand ({why}). Record the plan with example inputs like this call's "
+                "(fs.plan(..., example_args=(...), example_kwargs={...})), or pass order= to "
+                "fs.plan.",
+                stacklevel=5,
             )
-        self._make_resident(state)
+            self._make_resident(state)
+            return True
+        error = _deviation.out_of_plan(
+            dist.get_rank(), group, cursor.phase.compute, cursor.current(), cursor.phase.runs,
+            _deviation.caller(),
+        )  # fmt: skip
+        if group not in self.deviated:
+            self.deviated.add(group)
+            warnings.warn(f"funcshard: {error}", stacklevel=5)
+            defer(error)
+        return False
 
     def _make_resident(self, state: _Group) -> None:
         first = state.raw is None
@@ -682,6 +728,7 @@ class _Run:
         def done(grads):
             if (live := run()) is not None:
                 live._exit()
+                live._reach(name, live.backward.phase.last.get(name))
                 _liveness.step(Step("reduce_scatter", name), False)  # its backward is complete
                 live._free(live.groups[name])
                 live.backward_done(name)
@@ -697,20 +744,74 @@ class _Run:
         if not self.pending_backward:
             self.rebind = None
 
-    def end_forward(self) -> None:
+    def end_forward(self, out: Any) -> Any:
+        """The forward returned ``out``: run the rest of the plan's forward (the runs the module
+        skipped included), and return ``out`` (with the zeros of skipped runs: see [Note: the
+        collectives follow the plan] in ``_deviation``)."""
         self._exit()
+        backward = torch.is_grad_enabled()
+        for steps, group in self.forward.rest():
+            for step in steps:
+                state = self.groups[step.group]
+                if step.op == "wait" and state.pending and (state.frozen or not backward):
+                    state.free()  # a prefetch nothing will use
+                else:
+                    self._execute(step)
+            if group is not None:
+                self._skip(group)
         self.in_forward = False
-        for step in self.forward.rest():
-            state = self.groups[step.group]
-            if step.op == "wait" and state.pending:
-                state.free()  # a prefetch the module never needed
-            elif step.op in ("free", "reshard"):
-                self._free(state, step.op == "reshard")
         if self.frees:  # groups gathered on demand are freed like planned ones
             after = {g.name: after_forward(g.reshard_after_forward) for g in self.plan.groups}
             for name, state in self.groups.items():
                 if after[name] and (state.resident or state.pending):
                     self._free(state, after[name] == ("reshard",))
+        return _deviation.attach(out, self.skipped) if self.skipped else out
+
+    def _skip(self, group: str) -> None:
+        """The forward skipped a run of ``group``: see [Note: the collectives follow the plan]
+        in ``_deviation``."""
+        state = self.groups[group]
+        backward = torch.is_grad_enabled() and not self.mode.traced  # traced: see the Note
+        if not (backward and state.resident and state.local_fulls):
+            return
+        fulls = [t for t in state.local_fulls if t.requires_grad]
+        if fulls:
+            run = weakref.ref(self)  # see [Note: per-call state is not reachable from the graph]
+
+            def reached():
+                if (live := run()) is not None:
+                    live._reach(group, live.backward.find(group))
+
+            self.skipped.append(_deviation.Skipped.apply(reached, *fulls))
+
+    def _reach(self, group: str, j: int | None) -> None:
+        """Autograd reached ``group``'s backward without unpacking a saved tensor of it (a run
+        the forward skipped; a run whose inputs need no gradient, which saves no parameter;
+        its gradients complete): run the plan's backward steps up to its run ``j`` as an unpack
+        would, but leave its own gather in flight (nothing reads it). See [Note: the
+        collectives follow the plan] in ``_deviation``."""
+        if j is not None and self.backward.run < j and self.frees:
+            self._advance(self.backward, j, group)
+
+    def _advance(self, cursor: _program.Cursor, j: int, own: str | None = None) -> None:
+        """Move ``cursor`` to run ``j``, executing the plan's steps on the way (but the wait of
+        group ``own``); a run passed without being entered is one the module skipped (see
+        [Note: the collectives follow the plan] in ``_deviation``)."""
+        first = cursor.run + 1
+        for k, (steps, group) in enumerate(cursor.advance(j), first):
+            for step in steps:
+                if step.op != "wait" or step.group != own:
+                    self._execute(step)
+            if k < j and cursor is self.forward:
+                self._skip(group)
+
+    def _zeros(self, state: _Group, i: int) -> torch.Tensor:
+        """Zeros for the ``i``-th full tensor of ``state``, detached from it."""
+        if state.fulls is not None:
+            return torch.zeros_like(state.fulls[i])
+        meta = self.metadata(state.layouts[i].path)
+        zeros = torch.zeros(state.layouts[i].levels[0], dtype=meta["dtype"], device=meta["device"])
+        return _parallel.wrap([zeros], [state.specs[i]])[0]
 
     # ---- backward ------------------------------------------------------------------------
     @property
@@ -738,13 +839,24 @@ class _Run:
         traced = self.mode is Mode.TRACED
         key = id(_compile.root(local)) if traced else _storage(local)
         group = self.owner.get(key)
-        return t if group is None else _Saved(group, t, self.groups[group].raw)
+        if group is None and self.packed and _subclass.is_subclass(local):  # see _packed
+            inner = _subclass.inner(local)
+            keys = (id(_compile.root(x)) for x in inner) if traced else map(_storage, inner)
+            group = next((self.owner[k] for k in keys if k in self.owner), None)
+        if group is None:
+            return t
+        return _Saved(group, t, self.groups[group].raw, group not in self.outside)
 
     def _unpack(self, saved):
         if isinstance(saved, _Saved):
-            self._use(self.backward, saved.group)
-            state = self.groups[saved.group]
+            group = saved.group  # see [Note: the collectives follow the plan] in _deviation
+            followed = saved.follows and self._use(self.backward, group)
+            if not followed and not self._outside(group):
+                return torch.zeros_like(saved.tensor)
+            state = self.groups[group]
             if self.mode is Mode.TRACED and state.raw is not saved.raw:  # gathered again since
+                if _subclass.is_subclass(saved.tensor):  # rebuilt by FSDP2's hooks
+                    return _packed.regathered(saved.tensor, saved.raw, state.raw)
                 return _compile.regathered(saved.tensor, saved.raw, state.raw)
             return saved.tensor
         return saved

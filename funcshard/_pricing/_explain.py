@@ -40,13 +40,14 @@ import optree
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils.flop_counter import flop_registry
 
 from .._communication import _liveness, _store, _updates
 from .._execution._schedule import Scheduled
 from .._plans._plan import Plan, Step
-from .._runtime._compat import all_gather_single, storage_key
+from .._runtime._compat import all_gather_single, fake_kernel, storage_key
+from .._trees._subclass import inner, is_subclass
 
 CATEGORIES = (
     "parameters",
@@ -422,7 +423,13 @@ def _fake(t: torch.Tensor, device: str) -> torch.Tensor:
 def _fake_shard(t: Any, local_shape, device: str) -> Any:
     if not isinstance(t, DTensor):
         return _fake(t, device) if isinstance(t, torch.Tensor) else t
-    local = torch.empty(local_shape, dtype=t.dtype, device=device)
+    local = t._local_tensor
+    if is_subclass(local):  # a low-precision shard: of its class, around fake inner tensors
+        names, ctx = local.__tensor_flatten__()
+        inner = {n: _fake(getattr(local, n), device) for n in names}
+        local = type(local).__tensor_unflatten__(inner, ctx, local.shape, local.stride())
+    else:
+        local = torch.empty(local_shape, dtype=t.dtype, device=device)
     made = DTensor.from_local(
         local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
     )
@@ -575,8 +582,7 @@ class _Ledger(TorchDispatchMode):
                 entry.nbytes = s.nbytes()
 
     def resident(self, tree: Any, category: str, retag: bool = False) -> None:
-        for t in optree.tree_leaves(tree, none_is_leaf=True):
-            t = t._local_tensor if isinstance(t, DTensor) else t
+        for t in _plain_tensors(tree):
             if isinstance(t, torch.Tensor):
                 key = storage_key(t)
                 if retag and key in self.storages:
@@ -595,8 +601,7 @@ class _Ledger(TorchDispatchMode):
         """The forward returned: what its compute steps allocated and is alive is saved."""
 
     def end_backward(self, grads: Any) -> None:
-        for t in optree.tree_leaves(grads, none_is_leaf=True):
-            t = t._local_tensor if isinstance(t, DTensor) else t
+        for t in _plain_tensors(grads):
             if isinstance(t, torch.Tensor):
                 entry = self.storages.get(storage_key(t))
                 if entry is not None and entry.category != "gradients":
@@ -686,14 +691,15 @@ class _Ledger(TorchDispatchMode):
     # -- the operators
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented  # DTensor runs it on local tensors, which come back here
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            return NotImplemented  # DTensor (a low-precision weight) runs it on its inner tensors,
+            # which come back here
         self._follow_plan()
         if self.stale:  # see [Note: storages emptied in place]
             self._resync(list(self.emptied))
             self.stale = False
         name = func._overloadpacket.__name__
-        out = func(*args, **kwargs)
+        out = fake_kernel(func, args, kwargs)  # see [Note: grouped matmuls on fake tensors]
         if not self.counting and self.phase == "setup":
             return out
         kind = _COLLECTIVES.get(name)
@@ -737,6 +743,8 @@ class _Ledger(TorchDispatchMode):
         packet = func._overloadpacket
         if packet in flop_registry:
             flops = int(flop_registry[packet](*args, **kwargs, out_val=out))
+        elif packet is torch.ops.aten._grouped_mm:  # torch's counter has no formula for it:
+            flops = 2 * args[0].numel() * out.shape[-1]  # each row of mat_a meets N columns
         tensors = [
             t for t in optree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)
         ]
@@ -893,8 +901,17 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _nbytes(t: Any) -> int:
-    t = t._local_tensor if isinstance(t, DTensor) else t
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+    return sum(x.numel() * x.element_size() for x in _plain_tensors(t))
+
+
+def _plain_tensors(tree: Any) -> list[Any]:
+    """The leaves of ``tree``, a DTensor as its local tensor and a tensor subclass (a
+    low-precision weight) as its inner tensors: what holds memory."""
+    out = []
+    for t in optree.tree_leaves(tree, none_is_leaf=True):
+        t = t._local_tensor if isinstance(t, DTensor) else t
+        out.extend(inner(t) if isinstance(t, torch.Tensor) and is_subclass(t) else (t,))
+    return out
 
 
 def _group_costs(scheduled, params, local_shapes, state, ledger) -> tuple[GroupCost, ...]:
@@ -907,6 +924,11 @@ def _group_costs(scheduled, params, local_shapes, state, ledger) -> tuple[GroupC
             owner = next((group_of[k] for k in path if isinstance(k, str) and k in group_of), None)
             if owner is not None:
                 optimizer[owner] += _nbytes(leaf)
+    # a group of low-precision weights gathers what their hooks choose: its first gather's bytes
+    sent = {}
+    for c in ledger.issued:
+        if c.kind == "all_gather" and c.phase == "forward":
+            sent.setdefault(c.group, c.out_bytes)
     out = []
     for g in plan.groups:
         compute = g.param_dtype or scheduled.param_dtype
@@ -916,10 +938,12 @@ def _group_costs(scheduled, params, local_shapes, state, ledger) -> tuple[GroupC
             t = params[p]
             own = t.dtype
             numel_local = math.prod(local_shapes[p])
-            shard += numel_local * own.itemsize
+            shard += _nbytes(t) if is_subclass(t._local_tensor) else numel_local * own.itemsize
             gathered += t.numel() * (compute or own).itemsize
-            grad += numel_local * own.itemsize
-            reduced += t.numel() * (reduce or compute or own).itemsize
+            grad += numel_local * own.itemsize if t.requires_grad else 0
+            reduced += t.numel() * (reduce or compute or own).itemsize if t.requires_grad else 0
+        if any(is_subclass(params[p]._local_tensor) for p in g.params):
+            gathered = sent.get(g.name, gathered)
         out.append(
             GroupCost(
                 g.name,

@@ -48,6 +48,11 @@ class _MirrorStore(dist.Store):
     def delete_key(self, key: str) -> bool:
         return True
 
+    def __deepcopy__(self, memo: dict) -> _MirrorStore:
+        # the mesh carries the store (``mesh.store``), and torch.compile's guards deep-copy a
+        # DTensor's mesh: a copy is this store, as a process group's copy is the group
+        return self
+
 
 @contextlib.contextmanager
 def fake_world(

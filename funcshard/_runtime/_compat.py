@@ -20,6 +20,11 @@ import torch.distributed as dist
 # private: see tests/test_compile.py::test_private_torch_apis_of_compat
 from torch._guards import TracingContext
 
+# private: torch's rule for the output of aten._grouped_mm (size, strides, dtype), which its fake
+# kernel applies only to bfloat16 inputs (see [Note: grouped matmuls on fake tensors]);
+# tests/test_explain.py::test_private_torch_api_of_grouped_mm
+from torch._meta_registrations import _create_grouped_mm_output_tensor
+
 # private: a dispatch mode meets the higher-order operators left in a compiled graph (see
 # [Note: a compiled step captured]); tests/test_cuda_graph.py::
 # test_a_compiled_step_is_captured_on_the_stand_in runs them through one
@@ -157,3 +162,27 @@ def compile_graph(gm: torch.fx.GraphModule, tensors: Sequence[torch.Tensor]) -> 
                  for t in tensors]  # fmt: skip
     with tracing(TracingContext(mode)), torch.no_grad():
         return compile_fx(gm, fakes)
+
+
+def fake_kernel(func, args: tuple, kwargs: dict):
+    """``func(*args, **kwargs)`` on fake tensors (called under a ``FakeTensorMode``), also for
+    the operators whose fake kernel refuses inputs that their real kernel computes.
+
+    [Note: grouped matmuls on fake tensors]
+    ``aten._grouped_mm`` (the experts of Hugging Face's mixture-of-experts models -- Mixtral,
+    Qwen3-MoE, DeepSeek-V3 -- through ``torch.nn.functional.grouped_mm``, forward and backward)
+    computes float32 on CPU, but its fake kernel refuses every dtype but bfloat16 (the CUDA
+    kernel's first limit), so a float32 step that runs could not be explained. For two inputs of
+    one other floating dtype, the output is made by torch's own rule for its size and strides,
+    in that dtype: what the real kernel returns. Only ``fs.explain``'s fake step runs this;
+    torch's fake kernel is left as it is everywhere else.
+    """
+    if func is torch.ops.aten._grouped_mm.default:
+        a, b = args[0], args[1]
+        if a.dtype == b.dtype != torch.bfloat16 and a.is_floating_point():
+            return _grouped_mm_output(*args, **kwargs)
+    return func(*args, **kwargs)
+
+
+def _grouped_mm_output(mat_a, mat_b, offs=None, bias=None, out_dtype=None) -> torch.Tensor:
+    return _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype or mat_a.dtype)

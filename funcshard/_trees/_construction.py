@@ -16,8 +16,19 @@ no values): records are keyed by storage, which a ``Parameter`` shares with the 
 module's turn, when the constructor wrote it more than (or instead of) its ``reset_parameters()``.
 Replayed draws come from the stream at that point, so such tensors equal the normal build in
 distribution (not bit for bit). A write that cannot be replayed from the tensor alone -- to part
-of it (``w[0].zero_()``), or from another meta tensor (``w.copy_(other)``) -- is marked, and
-``materialize`` names the module. A tensor computed from other tensors
+of it (``w[0].zero_()``), or from another meta tensor whose value is not known
+(``w.copy_(other)``: see below) -- is marked, and ``materialize`` names the module.
+
+[Note: constants made in a constructor]
+Some values are made from constants rather than initialised: CLIP's
+``nn.Parameter(torch.tensor(2.6592))``, OpenCLIP's ``torch.ones([]) * math.log(1 / 0.07)``, a
+rotary table ``1.0 / base ** (torch.arange(0, d, 2) / d)``. ``torch.tensor`` / ``torch.as_tensor``
+copy their data without dispatching an operator, so a ``TorchFunctionMode`` (``_Data``) records
+them, with the data as a CPU tensor. And while recording, the values of small constant meta
+tensors (made from data, or by a factory that draws nothing: ``ones``, ``full``, ``arange``; up
+to ``_KNOWN_LIMIT`` elements) are kept on the CPU beside them and follow their in-place writes:
+an operator whose tensor inputs all have known values is computed on those too, and its
+result is recorded as made from that constant. A tensor computed from a random one
 (``torch.randn(n) * 0.02``) has no record: ``init`` must write it.
 """
 
@@ -29,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode  # the one place it is used
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -64,14 +76,41 @@ def on_meta() -> Iterator[Construction]:
 
     Yields a :class:`Construction` for :func:`~funcshard.materialize` (``construction=``), which
     then replays what a constructor did outside ``reset_parameters()`` (see [Note: recording a
-    constructor]): e.g. ResNet's ``kaiming_normal_`` on every convolution.
+    constructor]): e.g. ResNet's ``kaiming_normal_`` on every convolution; and the values it
+    made from constants (see [Note: constants made in a constructor]): e.g. CLIP's
+    ``nn.Parameter(torch.tensor(2.6592))``, a rotary table from ``torch.arange``.
     """
     construction = Construction()
-    with torch.device("meta"), _Recorder(construction._records):
+    recorder = _Recorder(construction._records)
+    with torch.device("meta"), _Data(recorder), recorder:
         yield construction
 
 
 _NO_VALUES = ("empty", "empty_strided", "empty_like", "new_empty")
+_KNOWN_LIMIT = 1 << 16  # elements: the largest constant whose value is kept while recording
+
+
+def _constant(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The replay of a value made from a constant: the constant (see [Note: constants made in
+    a constructor])."""
+    return value.to(device)
+
+
+class _Data(TorchFunctionMode):
+    """Records the meta tensors ``torch.tensor`` / ``torch.as_tensor`` make from data (no
+    operator is dispatched for them): see [Note: constants made in a constructor]."""
+
+    def __init__(self, recorder: _Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        made = func in (torch.tensor, torch.as_tensor) and _is_meta(out)
+        if made and not _has_meta(args, kwargs):  # from data, not from a meta tensor
+            self.recorder.made(out, func(*args, **{**kwargs, "device": "cpu"}), always=True)
+        return out
 
 
 class _Recorder(TorchDispatchMode):
@@ -80,6 +119,9 @@ class _Recorder(TorchDispatchMode):
         self.records = records
         self.read: set[torch.UntypedStorage] = set()  # meta storages that ops take as input
         self.patched: list = []
+        # the values of small constant meta storages, flat on the CPU (see [Note: constants
+        # made in a constructor]); kept while recording only
+        self.known: dict[torch.UntypedStorage, torch.Tensor] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -89,14 +131,67 @@ class _Recorder(TorchDispatchMode):
         if not func.is_view:
             inputs = tree_flatten((args[1:] if writes else args, kwargs))[0]
             self.read |= {x.untyped_storage() for x in inputs if _is_meta(x)}
-        if writes:
-            replayable = not _has_meta(args[1:], kwargs)
-            self.write(target, _op(func, target.shape, args[1:], kwargs) if replayable else None)
+        if writes:  # replayable with the values of its other meta arguments, if known
+            rest = self.values(args[1:], kwargs)
+            self.write(target, None if rest is None else _op(func, target.shape, *rest))
+            self.follow(func, target, rest)
         elif _is_factory(func, args, kwargs, out):
             storage = out.untyped_storage()
             op = _op(func, out.shape, args, kwargs)._replace(factory=True)
             self.records[storage] = _Record(storage, op, [])
+            value = _on_the_cpu(func, args, kwargs) if _computes(func) else None
+            if value is not None:
+                self.made(out, value, record=False)
+        elif _is_meta(out) and _computes(func) and _has_meta(args, kwargs):
+            found = self.values(args, kwargs)  # computed from known values only: a constant
+            value = None if found is None else _on_the_cpu(func, *found)
+            if value is not None and value.shape == out.shape:
+                self.made(out, value.to(out.dtype))
         return out
+
+    def made(self, meta: torch.Tensor, value: torch.Tensor, record=True, always=False) -> None:
+        """``meta`` holds ``value`` (a CPU tensor of its shape): recorded as made from it, and
+        its value kept if small enough (or ``always``: data the caller holds anyway)."""
+        storage = meta.untyped_storage()
+        if record:
+            op = _Op(_constant, tuple(meta.shape), (value.detach().clone(),), {}, factory=True)
+            self.records[storage] = _Record(storage, op, [])
+        if always or meta.numel() <= _KNOWN_LIMIT:
+            flat = torch.empty(
+                storage.nbytes() // meta.element_size(), dtype=meta.dtype, device="cpu"
+            )
+            _viewed(flat, meta).copy_(value)
+            self.known[storage] = flat
+
+    def values(self, args, kwargs) -> tuple[tuple, dict] | None:
+        """``(args, kwargs)`` with each meta tensor's known value on the CPU; ``None`` if one
+        is not known."""
+        unknown = []
+
+        def value(x):
+            if not _is_meta(x):
+                return x
+            flat = self.known.get(x.untyped_storage())
+            if flat is None or flat.dtype != x.dtype:
+                unknown.append(x)
+                return x
+            return _viewed(flat, x)
+
+        found = tree_map(value, (tuple(args), kwargs))
+        return None if unknown else found
+
+    def follow(self, func, target: torch.Tensor, rest: tuple[tuple, dict] | None) -> None:
+        """Apply an in-place write (its other arguments' values ``rest``) to ``target``'s known
+        value; forget the value if the write draws or reads an unknown one."""
+        storage = target.untyped_storage()
+        if storage not in self.known:
+            return
+        done = rest is not None and not _draws(func)
+        if done:
+            known = _viewed(self.known[storage], target)
+            done = _on_the_cpu(func, (known, *rest[0]), rest[1]) is not None
+        if not done:
+            del self.known[storage]
 
     def write(self, target: torch.Tensor, op: _Op | None) -> None:
         storage = target.untyped_storage()
@@ -155,6 +250,33 @@ def _orthogonal(recorder: _Recorder):
 _TRUNC_NORMAL = torch.nn.init.trunc_normal_
 _ORTHOGONAL = torch.nn.init.orthogonal_
 _SKIP_META = {"_no_grad_trunc_normal_": _trunc_normal, "orthogonal_": _orthogonal}
+
+
+def _on_the_cpu(func, args, kwargs) -> torch.Tensor | None:
+    """``func`` computed on the CPU (a factory's ``device`` set to it): a tensor, or ``None``
+    if it fails there -- then the value is not known, and recording goes on."""
+    kwargs = {**kwargs, "device": torch.device("cpu")} if "device" in kwargs else kwargs
+    try:
+        out = func(*args, **kwargs)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return None
+    return out if isinstance(out, torch.Tensor) and not out.is_meta else None
+
+
+def _computes(func) -> bool:
+    """Whether ``func`` computes a new tensor's values from its inputs alone (no view, no draw,
+    not an uninitialised one)."""
+    return not (func.is_view or _draws(func) or func.overloadpacket.__name__ in _NO_VALUES)
+
+
+def _draws(func) -> bool:
+    """Whether ``func`` draws random numbers (its values are not a constant)."""
+    return torch.Tag.nondeterministic_seeded in func.tags
+
+
+def _viewed(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The part of ``flat`` (a storage's elements) that ``like`` views."""
+    return flat.as_strided(like.shape, like.stride(), like.storage_offset())
 
 
 def _writes_first(func) -> bool:

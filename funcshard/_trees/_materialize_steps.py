@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ._construction import _Op, _Recorder
+from ._subclass import is_subclass
 
 
 class _Slot(NamedTuple):
@@ -221,8 +222,12 @@ def _swapped(slots, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
 
 def _fresh(meta: torch.Tensor, device: torch.device, poison: bool = True) -> torch.Tensor:
     """An uninitialised tensor like ``meta`` on ``device``, poisoned (see [Note: memory nobody
-    wrote] in ``_materialize.py``); a ``Parameter`` if ``meta`` is one."""
-    t = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+    wrote] in ``_materialize.py``); a ``Parameter`` if ``meta`` is one, and of ``meta``'s
+    tensor subclass if it is one (float8 training's weight: ``empty_like`` keeps it)."""
+    if is_subclass(meta):
+        t = torch.empty_like(meta, device=device)
+    else:
+        t = torch.empty(meta.shape, dtype=meta.dtype, device=device)
     if isinstance(meta, nn.Parameter):
         t = nn.Parameter(t, requires_grad=meta.requires_grad)
     if not poison:

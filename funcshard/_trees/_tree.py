@@ -157,6 +157,8 @@ def nothing_in(tree: PyTree, like: PyTree) -> bool:
         and all(v is None for v in tree.values())
         and tree.keys() == like.keys()
         and _LEAF_TYPES.issuperset(map(type, like.values()))
+        # optree orders sortable keys, and keeps the insertion order of keys of several types
+        and (list(tree) == list(like) or dict_leaves(like) is not None)
     )
 
 

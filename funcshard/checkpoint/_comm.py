@@ -9,7 +9,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .._communication import _liveness
+from .._communication import _hangs
 
 
 def rank_world() -> tuple[int, int]:
@@ -68,9 +68,9 @@ def all_ok(error: BaseException | None) -> None:
 def peers_named(what: str) -> Iterator[None]:
     """Around collectives only (c10d's, or DCP's, which raise what fails locally as a
     ``CheckpointException``): one that fails because a peer died names that rank, or lists what
-    every rank is doing (see ``_liveness.explain``)."""
+    every rank is doing (see ``_hangs.explain``)."""
     try:
         yield
     except RuntimeError as e:
-        _liveness.explain(e, what)
+        _hangs.explain(e, what)
         raise

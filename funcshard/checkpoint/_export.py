@@ -35,6 +35,7 @@ from torch.distributed.tensor._utils import (
 )
 
 from .._trees._extract import aliases
+from .._trees._subclass import is_subclass
 from .._trees._tree import _few
 from ._comm import on_rank, rank_world
 
@@ -124,6 +125,8 @@ def _gather(t: torch.Tensor, dst: int) -> torch.Tensor | None:
             "redistribute the tensor first."
         )
     shape, grid, local = tuple(t.shape), t.device_mesh.mesh, t.to_local().detach()
+    if is_subclass(local):  # a low-precision weight: its value in its dtype (NF4: dequantized)
+        local = local.to(t.dtype)
     full = torch.empty(shape, dtype=t.dtype) if rank == dst else None
     for coord in itertools.product(*map(range, grid.shape)):
         if any(isinstance(p, Replicate) and c for p, c in zip(t.placements, coord, strict=True)):

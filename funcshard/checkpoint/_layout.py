@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from .._trees._tree import PyTree
 from ._rng import RNGState
+from ._subclass import describe as subclass
 
 MANIFEST = "funcshard.json"
 FORMAT = "funcshard.checkpoint"
@@ -85,7 +86,7 @@ def describe(leaf: Any) -> dict[str, Any]:
         if isinstance(leaf, DTensor):
             out["placements"] = [str(p) for p in leaf.placements]
             out["mesh"] = list(leaf.device_mesh.shape)
-        return out
+        return {**out, **subclass(leaf)}
     return {"kind": "scalar", "type": type(leaf).__name__}
 
 

@@ -26,6 +26,8 @@ from ._comm import distributed, peers_named, rank_world
 from ._integrity import Reader, check_metadata, damaged
 from ._layout import MANIFEST, describe, flatten, rank_key, read_manifest
 from ._rng import RNGState, derive
+from ._subclass import local_of, rebuilt
+from ._subclass import targets as inner_targets
 
 
 def load(path: str | os.PathLike, like: PyTree, *, strict: bool = True) -> PyTree:
@@ -70,6 +72,8 @@ def load(path: str | os.PathLike, like: PyTree, *, strict: bool = True) -> PyTre
         if isinstance(leaf, RNGState):
             for name, t in leaf.tensors().items():
                 targets[rank_key(key, src, name)] = torch.empty_like(t)
+        elif local_of(leaf) is not None:  # see [Note: a subclass is saved as its inner ...]
+            targets.update(inner_targets(key, leaf))
         else:
             targets[key] = _empty_like(leaf) if isinstance(leaf, torch.Tensor) else leaf
     _check_files(path, metadata, targets)
@@ -91,6 +95,8 @@ def load(path: str | os.PathLike, like: PyTree, *, strict: bool = True) -> PyTre
             names = leaf.tensors()
             state = RNGState.from_tensors({n: targets[rank_key(key, src, n)] for n in names})
             out.append(state if rank < world else derive(state, rank))
+        elif local_of(leaf) is not None:
+            out.append(rebuilt(key, leaf, targets))
         elif isinstance(leaf, torch.Tensor):
             out.append(targets[key].requires_grad_(leaf.requires_grad))
         else:
@@ -156,7 +162,8 @@ def _check(source: str, saved: dict[str, dict], keys, leaves, strict: bool) -> N
         if have["kind"] == "object" and want["kind"] == "scalar":
             continue  # a pickled value in a plain DCP checkpoint
         if any(
-            want.get(f) != have.get(f) for f in ("kind", "shape", "dtype", "type", "generators")
+            want.get(f) != have.get(f)
+            for f in ("kind", "shape", "dtype", "type", "generators", "subclass")
         ):
             raise ValueError(
                 f"load: {key!r} is {_what(have)} in {source}, but {_what(want)} in like. Build "
@@ -168,7 +175,8 @@ def _check(source: str, saved: dict[str, dict], keys, leaves, strict: bool) -> N
 def _what(desc: dict) -> str:
     kind = desc["kind"]
     if kind == "tensor":
-        return f"a {desc['dtype']} tensor of shape {desc['shape']}"
+        what = f" {desc['subclass']}" if desc.get("subclass") else " tensor"
+        return f"a {desc['dtype']}{what} of shape {desc['shape']}"
     if kind == "rng":
         return f"RNG states {desc['generators']}"
     return "a pickled object" if kind == "object" else f"a {desc['type']}"

@@ -34,6 +34,7 @@ from ._comm import all_ok, distributed, on_rank, peers_named, rank_world
 from ._integrity import Writer, save_failed
 from ._layout import committed, flatten, manifest, rank_key, write_manifest
 from ._rng import RNGState
+from ._subclass import inner_tensors, local_of
 
 _TMP, _OLD = ".funcshard-tmp", ".funcshard-old"
 
@@ -272,6 +273,9 @@ def _state_dict(tree: PyTree, fn: str) -> tuple[dict[str, Any], dict[str, Any]]:
         if isinstance(leaf, torch.Tensor):
             if (leaf.to_local() if isinstance(leaf, DTensor) else leaf).is_meta:
                 raise ValueError(f"{fn}: {key!r} is on the meta device: it has no data to save.")
+            if local_of(leaf) is not None:  # see [Note: a subclass is saved as its inner ...]
+                state_dict.update(inner_tensors(key, leaf))
+                continue
             leaf = leaf.detach()
         state_dict[key] = leaf
     return state_dict, manifest(keys, leaves, world)

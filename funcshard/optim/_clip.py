@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .._communication import _liveness
+from .._communication import _hangs, _liveness
 from .._communication._consensus import before_collective
 from .._runtime._compat import compiling
 from .._trees._parallel import sub_mesh_problem
@@ -87,7 +87,7 @@ def global_norm(tree: PyTree) -> torch.Tensor:
             else:
                 dist.all_reduce(total)
         except RuntimeError as e:  # a peer died, or is not at this collective: say which
-            _liveness.explain(e, "the all_reduce of fs.optim.global_norm")
+            _hangs.explain(e, "the all_reduce of fs.optim.global_norm")
             raise
     return total.sqrt()
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .._communication import _liveness
+from .._communication import _hangs, _liveness
 from .._communication._consensus import before_collective
 from .._trees._tree import PyTree, flatten, unflatten
 from ._base import GradientTransformation, local, without_grad
@@ -104,6 +104,6 @@ def all_finite(tree: PyTree) -> bool:
         try:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         except RuntimeError as e:  # a peer died, or is not at this collective: say which
-            _liveness.explain(e, "the all_reduce of fs.optim.all_finite")
+            _hangs.explain(e, "the all_reduce of fs.optim.all_finite")
             raise
     return bool(flag)

@@ -236,7 +236,8 @@ def _values(
         for c in dict.fromkeys(s.canonical for s in exposed):
             if final[c] == i:
                 value, poisoned, version = held.pop(c)
-                _check_written(steps[first[c][0]], first[c][1], value, poisoned, version, init)
+                check = (value, poisoned, version, init, construction)
+                _check_written(steps[first[c][0]], first[c][1], *check)
                 yield c, value
                 del value, poisoned
     if starts is not None:
@@ -319,7 +320,9 @@ def _assigned(step: _Step, s: _Slot) -> torch.Tensor:
     return t
 
 
-def _check_written(step: _Step, fqn: str, value, poisoned, version: int, init) -> None:
+def _check_written(
+    step: _Step, fqn: str, value, poisoned, version: int, init, construction
+) -> None:
     """Raise if ``value`` is the fresh tensor and still (partly) holds its poison."""
     if value is not poisoned or value.numel() == 0:
         return
@@ -340,11 +343,17 @@ def _check_written(step: _Step, fqn: str, value, poisoned, version: int, init) -
     else:
         why = "it has no reset_parameters()"
     why += " and init did not write them" if init is not None else " and no init was given"
+    made = "" if construction else (
+        " Values made from constants in __init__ (torch.tensor(2.5), torch.ones(d) * c, a table "
+        "from torch.arange) are recorded if the module is built under `with fs.on_meta() as "
+        "construction:` (pass construction=)."
+    )  # fmt: skip
     raise ValueError(
-        f"materialize: {fqn!r} of {owner} was not (fully) initialised: {why}. Values made in "
-        "__init__ (nn.Parameter(torch.randn(...)), a buffer computed from data) cannot be "
-        f"recovered from the meta device: pass init=fn where fn(name, module) writes it when "
-        f"name == {step.name!r}, or give {kind} a reset_parameters() that does."
+        f"materialize: {fqn!r} of {owner} was not (fully) initialised: {why}.{made} Random "
+        "values made in __init__ (nn.Parameter(torch.randn(...))) and values computed from "
+        "them or from data cannot be recovered from the meta device: pass init=fn where "
+        f"fn(name, module) writes it when name == {step.name!r}, or give {kind} a "
+        "reset_parameters() that does."
     )
 
 

@@ -22,6 +22,7 @@ from .._trees._parallel import (
     sub_mesh_problem,
 )
 from .._trees._spec import ShardSpec, check_mesh, check_storage_placements
+from .._trees._subclass import cut, is_subclass
 from .._trees._tree import PyTree, map_with_path
 
 Placements = Placement | Sequence[Placement]
@@ -112,7 +113,7 @@ def shard(
         check_storage_placements(path, pl, mesh_, x.dim())
         stride = torch.empty(x.shape, device="meta").stride()
         spec = ShardSpec(mesh_, pl, tuple(x.shape), tuple(stride))
-        local = _cut(x.detach(), spec)
+        local = _cut(path, x.detach(), spec)
         out = DTensor.from_local(local, mesh_, pl, run_check=False, shape=x.shape, stride=stride)
         return out.requires_grad_(x.requires_grad)
 
@@ -198,7 +199,7 @@ def _shard_model_parallel(path: str, x: DTensor, mesh: DeviceMesh, pl, data: Dev
     check_composable(path, tuple(x.shape), merged, dims, spmd)
     placements = storage_placements(tuple(merged), dims, tuple(spmd.shape))
     spec = ShardSpec(spmd, placements, tuple(x.shape), tuple(x.stride()), dims, full, experts)
-    local = _cut(x._local_tensor.detach(), spec.gathered())
+    local = _cut(path, x._local_tensor.detach(), spec.gathered())
     out = DTensor.from_local(
         local, spmd, placements, run_check=False, shape=spec.shape, stride=spec.stride
     )
@@ -222,8 +223,11 @@ def _check_layout_covers(path: str, layout: DeviceMesh, dp: DeviceMesh, model: D
         )
 
 
-def _cut(x: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
-    """This rank's shard of ``x`` (of ``spec``'s global shape), as a fresh contiguous tensor."""
+def _cut(path: str, x: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """This rank's shard of ``x`` (of ``spec``'s global shape), as a fresh contiguous tensor
+    (a tensor subclass's: see [Note: sharding a tensor subclass])."""
+    if is_subclass(x):
+        return cut(path, x, spec.local_offset(), spec.level_shapes()[-1])
     for d, (offset, size) in enumerate(
         zip(spec.local_offset(), spec.level_shapes()[-1], strict=True)
     ):
