@@ -99,6 +99,7 @@ def test_a_second_process_finds_the_compiled_graph(tmp_path):
     assert second["losses"] == pytest.approx(first["losses"], abs=1e-6)
 
 
+@pytest.mark.inductor
 @pytest.mark.timeout(1800)
 def test_a_second_process_finds_the_jitted_step_in_both_caches(tmp_path):
     first = _run(tmp_path, seed=1, how="fs.jit")

@@ -1,13 +1,17 @@
 """``fs.jit``: a step traced once per signature (make_fx over the local shards), compiled, and run
-as its graph: equal to the eager step over many steps, the plan's order in the graph, one trace
-per signature up to a bound, errors that name the line, static and donated arguments, identical
-blocks traced once. See docs/compile.md and funcshard/_execution/_jit.py.
+as its graph: equal to the eager step over many steps, the plan's order, prefetch and reshard in
+the graph, one trace per signature up to a bound, errors that name the line, static and donated
+arguments, identical blocks traced and compiled once, a peak memory no higher than the eager
+step's. See docs/compile.md and funcshard/_execution/_jit.py.
 
 Most tests run the traced graph as it is (``backend="eager"``: no code generation, quick on the
-2-core CI machine); one trains with inductor.
+2-core CI machine); those marked ``inductor`` compile with inductor (``make test-compile`` runs
+them, ``make test`` leaves them out).
 """
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
@@ -17,6 +21,7 @@ from test_compile import Block, Net, _batch, _copy, _events, _flat_numel
 from torch import nn
 
 import funcshard as fs
+from funcshard._runtime._profiling import peak_bytes
 
 from _mesh import mesh
 
@@ -71,7 +76,12 @@ def many_steps(backend: str, steps: int, regions: bool = True):
 
 
 @pytest.mark.parametrize(
-    ("backend", "regions"), [("eager", True), ("inductor", True), ("inductor", False)]
+    ("backend", "regions"),
+    [
+        ("eager", True),
+        pytest.param("inductor", True, marks=pytest.mark.inductor),
+        pytest.param("inductor", False, marks=pytest.mark.inductor),
+    ],
 )
 def test_many_steps_equal_eager(world2, backend, regions):
     """20 steps: the traced graph as it is, compiled in pieces (the default), compiled whole."""
@@ -82,26 +92,47 @@ def test_many_steps_equal_eager(world2, backend, regions):
         assert moved > 1e-2  # trained: not a comparison of untouched parameters
 
 
-def graph_follows_plan():
-    """The traced graph's all-gathers and waits are the plan's all_gather/wait steps, in order,
-    and every group's gradient is reduce-scattered once."""
-    _, plan, apply, sharded, buffers = _scheduled(hidden=(5, 6))
+def graph_follows_plan(plan_kw: dict):
+    """The traced graph's all-gathers and waits are the plan's all_gather/wait steps, in order
+    (its prefetch included); every group's gradient is reduce-scattered once; and whether the
+    forward's gathered parameters are read in backward (not when resharded after forward)."""
+    _, plan, apply, sharded, buffers = _scheduled(hidden=(5, 6), **plan_kw)
     opt = fs.optim.sgd(0.1)
     jitted = fs.jit(_train_step(apply, buffers, opt), backend="eager")
     jitted(sharded, opt.init(sharded), *_batch(0))
     (graph,) = jitted.graphs()
-    events, _, nodes = _events(graph, _flat_numel(plan, sharded))
+    events, last_use, nodes = _events(graph, _flat_numel(plan, sharded))
     planned = [
         (s.op, s.group) for s in plan.forward + plan.backward if s.op in ("all_gather", "wait")
     ]
     scatters = sum("reduce_scatter" in str(n.target) for n in nodes)
-    return events == planned, (events, planned), scatters, len(plan.groups)
+    # autograd seeds the backward with ones_like(loss): everything after it is backward
+    backward_starts = next(i for i, n in enumerate(nodes) if "ones_like" in str(n.target))
+    kept_out = {g: last_use[g] < backward_starts for g in last_use if g}
+    return events, planned, scatters, len(plan.groups), kept_out
+
+
+PLANS = {
+    "default": {},
+    "no prefetch": {"prefetch": 0, "backward_prefetch": 0},
+    "prefetch 2": {"prefetch": 2, "backward_prefetch": 2},
+    "kept after forward": {"reshard_after_forward": False},
+}
 
 
 def test_graph_follows_plan(world2):
-    for same, detail, scatters, groups in world2.run(graph_follows_plan):
-        assert same, detail
-        assert scatters == groups
+    orders = {}
+    for name, kw in PLANS.items():
+        for events, planned, scatters, groups, kept_out in world2.run(graph_follows_plan, kw):
+            assert events == planned, (name, events, planned)
+            assert scatters == groups
+            resharded = kw.get("reshard_after_forward", True)
+            assert planned.count(("all_gather", "blocks.0")) == (2 if resharded else 1)
+            assert kept_out and all(kept_out.values()) == resharded, (name, kept_out)
+            assert any(kept_out.values()) == resharded, (name, kept_out)
+            orders[name] = planned
+    # the control: prefetching two groups ahead changes the order, and the graph followed it
+    assert orders["prefetch 2"] != orders["default"]
 
 
 def mixed_precision_hsdp_frozen():
@@ -226,6 +257,32 @@ def test_host_reads_and_value_shapes_are_refused_naming_the_line(step, what, lin
         jitted(torch.ones(3), torch.ones(3))
 
 
+def _host_copy(w, x):
+    return w + (w * x).sum().cpu().to(w.device)
+
+
+def _host_tensor(w, x):
+    return w * torch.arange(3.0)
+
+
+@pytest.mark.parametrize(
+    ("step", "line"),
+    [
+        (_host_copy, r"return w \+ \(w \* x\).sum\(\).cpu"),
+        (_host_tensor, r"return w \* torch.arange"),
+    ],
+)
+def test_host_copies_are_refused_naming_the_line(step, line):
+    """A copy to the host, or a CPU tensor mixed with the device's, in a step on a device (meta
+    tensors stand in for a GPU's): refused while tracing, naming the line."""
+    jitted = fs.jit(step, backend="eager")
+    meta = torch.ones(3, device="meta")
+    with pytest.raises(RuntimeError, match=rf"jit: {step.__name__} cannot be traced: .*uses a CPU "
+                                           rf"tensor .* a copy between host and device"
+                                           rf".*test_jit\.py:\d+ \({line}"):  # fmt: skip
+        jitted(meta, meta)
+
+
 def test_bad_arguments_of_jit():
     with pytest.raises(TypeError, match="step is a int"):
         fs.jit(3)
@@ -322,6 +379,38 @@ def test_a_step_is_compiled_in_pieces_the_same_at_any_depth(world2):
         ops = {op for piece in two for op in piece}
         assert {"aten.tanh.default", "aten.exp.default", "aten.sigmoid.default"} <= ops
         assert not any("c10d" in op or op.startswith("funcshard.") for op in ops), ops
+
+
+# ---- memory ------------------------------------------------------------------------------------
+
+
+def peaks(regions: bool):
+    """The peak of one training step's own CPU allocations (the allocator's events: live bytes,
+    not time), eager and jitted (inductor), on blocks whose activations (a batch of 512, 256
+    wide) dwarf their parameters; and one block's activation, for scale."""
+    _, _, apply, sharded, buffers = _scheduled(hidden=(256, 256, 256, 256))
+    opt = fs.optim.adamw(1e-3)
+    step = _train_step(apply, buffers, opt)
+    jitted = fs.jit(step, regions=regions)
+    eager_p, jit_p = _copy(sharded), _copy(sharded)
+    eager_s, jit_s = opt.init(eager_p), opt.init(jit_p)
+    x, y = _batch(0, n=512)
+    step(eager_p, eager_s, x, y)
+    jitted(jit_p, jit_s, x, y)  # traced and compiled
+    out = {}
+    for name, run in (("eager", step), ("jit", jitted)):
+        p, s = (eager_p, eager_s) if name == "eager" else (jit_p, jit_s)
+        gc.collect()
+        out[name], _ = peak_bytes(lambda r=run, p=p, s=s: r(p, s, x, y), this_thread=True)
+    return out, 512 * 256 * 4
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("regions", [True, False], ids=["in pieces", "whole"])
+def test_peak_memory_is_at_most_the_eager_steps(world2, regions):
+    for got, activation in world2.run(peaks, regions):
+        assert got["eager"] > 4 * activation, got  # the count sees the activations
+        assert got["jit"] <= got["eager"], got
 
 
 # ---- the private torch APIs of the trace and the compilation ---------------------------------

@@ -49,6 +49,7 @@ def test_recompute_computes_the_same_steps(world2):
     assert again == pytest.approx(plain, rel=1e-5)
 
 
+@pytest.mark.inductor
 def test_compile_follows_the_eager_steps(world2):
     """``--compile`` (``fs.jit``: traced once, compiled by inductor): the eager losses to 1e-5."""
     plain = world2.run(train_llama.main, [*TINY, "--steps", "4"])[0]["losses"]

@@ -235,6 +235,7 @@ def test_resume_refuses_another_configuration(world2, tmp_path):
         world2.run(train_lm.main, [*TINY, "--batch", "7"])
 
 
+@pytest.mark.inductor
 def test_compile_follows_the_eager_steps(world2):
     """--compile (the step traced once and compiled by inductor, fs.jit): the eager run's
     losses to 1e-5 (relative), and the same held-out losses."""

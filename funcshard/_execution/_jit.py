@@ -277,6 +277,10 @@ def jit(
         backend: ``"inductor"`` (compiled C++/Triton kernels, cached on disk by the graph),
             ``"eager"`` (the traced graph run as it is: quick to make, for debugging), or a
             callable ``(graph, example_tensors) -> callable``.
+        regions: ``True``: the graph compiled in pieces -- each distinct block's forward and
+            backward once, the computation between collectives in segments (see [Note: a step
+            compiled in pieces]) --, so that compiling does not grow with depth; ``False``: the
+            whole graph compiled as one (fusion across blocks; compiling grows with depth).
 
     Returns:
         A callable with ``step``'s signature and results; ``.traces`` counts the signatures
