@@ -283,6 +283,19 @@ def test_host_copies_are_refused_naming_the_line(step, line):
         jitted(meta, meta)
 
 
+def test_tensor_subclass_arguments_are_refused():
+    """A low-precision weight (a tensor subclass of the tests' own, as torchao's are) among
+    the arguments: refused before tracing, naming the argument and the way that takes it."""
+    from _lowp import Int8Rows
+
+    w = Int8Rows(torch.randn(4, 3))
+    jitted = fs.jit(lambda p, x: (p["w"] @ x).sum(), backend="eager")
+    refused = r"argument '\[0\]\[0\].w' is a Int8Rows .*torch.compile\(step, fullgraph=True\)"
+    with pytest.raises(NotImplementedError, match=refused):
+        jitted({"w": w}, torch.ones(3))
+    assert jitted.traces == 0
+
+
 def test_bad_arguments_of_jit():
     with pytest.raises(TypeError, match="step is a int"):
         fs.jit(3)

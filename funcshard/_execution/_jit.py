@@ -46,6 +46,7 @@ import optree
 import torch
 
 from .._runtime._compat import compile_graph, trace_graph
+from .._trees._subclass import is_subclass
 from .._trees._tree import flatten
 from ._jit_trace import Made, Out, graph_inputs, results, traced_body
 from ._pieces import compiled_in_pieces
@@ -170,6 +171,7 @@ class Jitted:
                 "them or static argument is traced and compiled anew. Pad the batches to a few "
                 "shapes, pass changing numbers as tensors, or raise max_traces."
             )
+        self._refuse_subclasses(args, kwargs, leaves)
         inputs, slots = graph_inputs(leaves)
         donated = self._donated(args, kwargs)
         made = Made()
@@ -188,6 +190,20 @@ class Jitted:
         entry = _Traced(run, graph, tuple(inputs), made.outs, made.spec, seconds)
         self.entries[key] = entry
         return entry
+
+    def _refuse_subclasses(self, args: tuple, kwargs: dict, leaves: list) -> None:
+        """Refuses tensor subclasses among the arguments (low-precision weights: torchao's NF4
+        and float8), which fs.jit does not trace yet (``torch.compile`` does)."""
+        at = [i for i, x in enumerate(leaves)
+              if isinstance(x, torch.Tensor) and is_subclass(local(x))]  # fmt: skip
+        if at:
+            paths = flatten((args, kwargs), none_is_leaf=True)[0]
+            raise NotImplementedError(
+                f"jit: {self.name}'s argument {paths[at[0]]!r} is a "
+                f"{type(local(leaves[at[0]])).__name__} (a tensor subclass: a low-precision "
+                "weight), which fs.jit does not trace yet. Compile the step with "
+                "torch.compile(step, fullgraph=True), which takes them (docs/low_precision.md)."
+            )
 
     def _donated(self, args: tuple, kwargs: dict) -> set[int]:
         """The storages of the donated arguments' tensors (their local tensors')."""
@@ -293,5 +309,7 @@ def jit(
             naming the line; on a GPU, it mixes CPU and GPU tensors (a host copy).
         ValueError: a new signature after ``max_traces``, naming what changed.
         TypeError: a static argument is not hashable.
+        NotImplementedError: an argument is a tensor subclass (torchao's NF4 or float8
+            weights): not traced yet; ``torch.compile(step, fullgraph=True)`` takes them.
     """
     return Jitted(step, static_argnames, donate_argnames, max_traces, backend, regions)
