@@ -1,5 +1,6 @@
-"""Part ``compile``: FSDP2 eager, FSDP2 + ``torch.compile(model)``, funcshard eager,
-funcshard's whole training step compiled over ``fs.schedule`` and over ``fs.unshard`` -- the
+"""Part ``compile``: FSDP2 eager, FSDP2 + ``torch.compile(model)`` and with each block compiled
+(torchtitan's way), funcshard eager, funcshard's whole training step compiled over
+``fs.schedule`` and over ``fs.unshard``, and under ``fs.jit`` -- the
 same training step (forward, backward, AdamW) of the same model on the same data, inductor (the
 default backend; on CPU it compiles C++; ``--quick``: ``aot_eager``, which generates no code).
 See ``variants.py`` for what each compiles; ``floor`` for the unsharded model compiled.
@@ -34,17 +35,20 @@ BASELINE = "FSDP2"
 LABELS = {  # label -> name in VARIANTS
     BASELINE: "fsdp2",
     "FSDP2 + torch.compile(model)": "fsdp2 + compile",
+    "FSDP2 + torch.compile per block": "fsdp2 + compile per block",
     "funcshard": "funcshard",
     "funcshard, whole step compiled": "funcshard + compile",
     "funcshard over fs.unshard, whole step compiled": "funcshard.unshard + compile",
+    "funcshard, fs.jit": "funcshard + fs.jit",
 }
 # compile time only, measured before the others (see ``floor``)
 FLOOR = "torch, unsharded + torch.compile(model)"
 
 
-def workload(quick: bool) -> Workload:
-    """The main job's transformer; ``quick``: the tiny one, so compilation stays short."""
-    return transformer(quick)
+def workload(quick: bool, layers: int | None = None) -> Workload:
+    """The main job's transformer (``layers`` blocks, default 8); ``quick``: the tiny one, so
+    compilation stays short."""
+    return transformer(quick, layers=layers)
 
 
 def _cold_caches():

@@ -13,7 +13,9 @@ world size 1 (NCCL; ``--device cpu``: gloo). Variants:
   (``param_dtype=bf16, reduce_dtype=fp32``); ``funcshard, compiled``: that whole step under
   ``torch.compile(fullgraph=True)``; ``funcshard, CUDA graph``: that whole step through
   ``fs.cuda_graph`` (AdamW's counts on the device); ``funcshard, compiled, CUDA graph``: the
-  compiled step through ``fs.cuda_graph`` (inductor's kernels, replayed as one graph).
+  compiled step through ``fs.cuda_graph`` (inductor's kernels, replayed as one graph);
+  ``funcshard, fs.jit`` and ``funcshard, fs.jit, CUDA graph``: the same with the step traced by
+  ``fs.jit`` instead of ``torch.compile``.
 
 ``--fake-world N``: the same on a fake process group of ``N`` ranks (``fake.py``: collectives
 return at once, moving nothing; every other part of one rank's step is real), on the GPU or, with
@@ -150,6 +152,9 @@ def variants(device: torch.device, backend: str) -> dict[str, tuple[Callable, Op
         "funcshard, CUDA graph": no_graphs or (VARIANTS["funcshard + fs.cuda_graph"], o),
         "funcshard, compiled, CUDA graph": no_graphs
         or (VARIANTS["funcshard + compile + fs.cuda_graph"], o),
+        "funcshard, fs.jit": (VARIANTS["funcshard + fs.jit"], o),
+        "funcshard, fs.jit, CUDA graph": no_graphs
+        or (VARIANTS["funcshard + fs.jit + fs.cuda_graph"], o),
     }
 
 
@@ -364,9 +369,14 @@ TARGETS = (
     ("funcshard, CUDA graph", "plain torch, CUDA graph", 1.02),
     ("funcshard, compiled", PLAIN, 0.9),
     ("funcshard, compiled, CUDA graph", "plain torch, CUDA graph", 0.9),
+    ("funcshard, fs.jit", PLAIN, 0.9),
+    ("funcshard, fs.jit, CUDA graph", "plain torch, CUDA graph", 0.9),
 )
 # the first step (compilation) of the compiled step against FSDP2 + compile's, at one rank
-FIRST_CALL_TARGETS = (("funcshard, compiled", "FSDP2 + compile per block", 2.0),)
+FIRST_CALL_TARGETS = (
+    ("funcshard, compiled", "FSDP2 + compile per block", 2.0),
+    ("funcshard, fs.jit", "FSDP2 + compile per block", 2.0),
+)
 TARGETS_RANKS = (("funcshard", FSDP2, 0.85), ("funcshard, CUDA graph", FSDP2, 0.5))
 # the eager step each compiled or captured variant runs: their losses should agree closely
 EAGER = {
@@ -375,6 +385,8 @@ EAGER = {
     "funcshard, compiled": "funcshard",
     "funcshard, CUDA graph": "funcshard",
     "funcshard, compiled, CUDA graph": "funcshard",
+    "funcshard, fs.jit": "funcshard",
+    "funcshard, fs.jit, CUDA graph": "funcshard",
 }
 
 

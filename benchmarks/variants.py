@@ -17,8 +17,10 @@ The compiled variants (part ``compile``) compile with ``Options.compile_backend`
 order; ``fsdp2 + compile per block``), the optimizer step eager; funcshard's whole training step
 (``fs.value_and_grad`` + ``fs.optim.step``, constant learning rate) under
 ``torch.compile(fullgraph=True)``, over ``fs.schedule``'s ``apply`` or over ``fs.unshard`` of
-the whole tree (docs/compile.md, "The recommended pattern"). ``cuda_graph(variant)`` runs a
-variant's whole step as one captured CUDA graph (``Graphed``; part ``gpu``).
+the whole tree (docs/compile.md, "The recommended pattern"), or under ``fs.jit`` (traced once by
+funcshard, compiled by inductor; ``aot_eager``: the traced graph run as it is).
+``cuda_graph(variant)`` runs a variant's whole step as one captured CUDA graph (``Graphed``;
+part ``gpu``).
 """
 
 from __future__ import annotations
@@ -296,13 +298,16 @@ def funcshard(
     compiled: bool = False,
     unshard: bool = False,
     graphed: bool = False,
+    jitted: bool = False,
 ) -> Trainer:
     """``fs.schedule`` with the same grouping; ``fs.optim.step`` of ``fs.optim.adamw``.
     ``unshard``: the loss runs the model on ``fs.unshard`` of the whole tree instead (no plan);
     ``compiled``: the whole step is ``torch.compile(train_step, fullgraph=True)`` (inductor),
     ``forward_backward`` runs all of it and ``optimizer_step`` nothing; ``graphed``: the same
     whole step through ``fs.cuda_graph`` (AdamW with its counts on the device); both: the
-    compiled step through ``fs.cuda_graph``."""
+    compiled step through ``fs.cuda_graph``; ``jitted``: the whole step is ``fs.jit(train_step)``
+    (inductor; with the ``aot_eager`` backend, the traced graph as it is), with ``graphed``
+    through ``fs.cuda_graph`` too."""
     model = w.build()
     sharded, buffers = _initial(w, model, mesh)
     plan = None if unshard else plan_for(w, model, o)
@@ -332,7 +337,7 @@ def funcshard(
         gradients=lambda: [g for g in leaves(box["grads"]) if g is not None],
         optimizer_state=lambda: [t for t in leaves(box["state"]) if torch.is_tensor(t)],
     )
-    if compiled or graphed:
+    if compiled or graphed or jitted:
         vg = fs.value_and_grad(loss_fn)  # made once, outside the compiled function
 
         def train_step(params, state, batch, buffers):
@@ -344,6 +349,9 @@ def funcshard(
         step = (
             torch.compile(train_step, backend=counter, fullgraph=True) if compiled else train_step
         )
+        if jitted:
+            backend = "eager" if o.compile_backend == "aot_eager" else o.compile_backend
+            step = counter = Traces(fs.jit(train_step, backend=backend))
         if graphed:
             step = PoolCounted(fs.cuda_graph(step))
 
@@ -379,6 +387,21 @@ def pool_free_bytes(pool: tuple[int, int], allocated: int, reserved: int) -> tup
         return sum(s["total_size"] - s["allocated_size"] for s in segments), "pool segments"
     live = torch.cuda.memory_allocated() - allocated
     return max(0, torch.cuda.memory_reserved() - reserved - live), "lower bound"
+
+
+@dataclasses.dataclass
+class Traces:
+    """An ``fs.jit`` step, counted as ``CompileCounterWithBackend`` counts Dynamo's frames (its
+    traces: one per signature)."""
+
+    jitted: Any
+
+    @property
+    def frame_count(self) -> int:
+        return self.jitted.traces
+
+    def __call__(self, *args):
+        return self.jitted(*args)
 
 
 @dataclasses.dataclass
@@ -515,9 +538,11 @@ VARIANTS: dict[str, Variant] = {
     "fsdp2 + compile per block": fsdp2_compiled_blocks,
     "funcshard + compile": funcshard_compiled,
     "funcshard.unshard + compile": funcshard_unshard_compiled,
+    "funcshard + fs.jit": functools.partial(funcshard, jitted=True),
     "funcshard + CUDA graph": cuda_graph(funcshard),
     "funcshard + fs.cuda_graph": functools.partial(funcshard, graphed=True),
     "funcshard + compile + fs.cuda_graph": functools.partial(
         funcshard, compiled=True, graphed=True
     ),
+    "funcshard + fs.jit + fs.cuda_graph": functools.partial(funcshard, jitted=True, graphed=True),
 }

@@ -63,12 +63,13 @@ def _mse(out: torch.Tensor, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return out.float().square().mean()
 
 
-def transformer(quick: bool = False, sequences: int = 2) -> Workload:
-    """The main job's language model (examples/train_lm.py): 8 blocks, width 512, 8 heads;
-    ``sequences`` per rank per step."""
-    layers, width, heads, vocab, seq, size = (
+def transformer(quick: bool = False, sequences: int = 2, layers: int | None = None) -> Workload:
+    """The main job's language model (examples/train_lm.py): 8 blocks (or ``layers``), width
+    512, 8 heads; ``sequences`` per rank per step."""
+    depth, width, heads, vocab, seq, size = (
         (2, 64, 4, 128, 16, sequences) if quick else (8, 512, 8, 512, 64, sequences)
     )
+    layers = layers or depth
 
     def batch(step: int, rank: int) -> tuple[torch.Tensor, ...]:
         g = torch.Generator().manual_seed(1000 * step + rank)

@@ -13,12 +13,13 @@ built on the meta device and initialised straight into shards (``fs.materialize`
 gathers it one block at a time (``fs.schedule``), in bf16 with fp32 gradient reduction and fp32
 master weights (``--bf16``, the default on CUDA), and AdamW (fused on CUDA) updates the shards in
 place. ``--cuda-graph`` captures the whole step -- gathers, forward, backward, reduce-scatters,
-clipping and AdamW -- as one CUDA graph (``fs.cuda_graph``); ``--compile`` compiles it whole
-(``torch.compile(step, fullgraph=True)``); ``--recompute`` recomputes each block's activations in
-the backward (``fs.plan(recompute=True)``). The tokens are the bytes of Python's standard library
-(``train_lm.load_text``). ``--ckpt-dir`` / ``--save-every`` / ``--resume`` save and continue the
-run exactly (fs.checkpoint). Rank 0 shows a progress bar with the loss, tokens/s and the model
-FLOPs utilisation: 6 x parameters x tokens/s over ``--peak-tflops`` x ranks ("-" on the CPU).
+clipping and AdamW -- as one CUDA graph (``fs.cuda_graph``); ``--compile`` traces it once and
+compiles it whole (``fs.jit``; with ``--cuda-graph`` too, the compiled step is captured);
+``--recompute`` recomputes each block's activations in the backward (``fs.plan(recompute=True)``).
+The tokens are the bytes of Python's standard library (``train_lm.load_text``). ``--ckpt-dir`` /
+``--save-every`` / ``--resume`` save and continue the run exactly (fs.checkpoint). Rank 0 shows
+a progress bar with the loss, tokens/s and the model FLOPs utilisation: 6 x parameters x
+tokens/s over ``--peak-tflops`` x ranks ("-" on the CPU).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def parser() -> argparse.ArgumentParser:
     add("--bf16", action=argparse.BooleanOptionalAction, default=None,
         help="bf16 compute, fp32 reduction and master weights (default: on cuda)")  # fmt: skip
     add("--cuda-graph", action="store_true", help="run each step as one CUDA graph (cuda only)")
-    add("--compile", action="store_true", help="torch.compile the whole step (fullgraph)")
+    add("--compile", action="store_true",
+        help="trace the whole step once and compile it (fs.jit, inductor)")  # fmt: skip
     add("--recompute", action="store_true", help="recompute activations in the backward")
     add("--peak-tflops", type=float, default=989.0,
         help="peak TFLOP/s of one device for the MFU (default: 989, H100 dense bf16)")  # fmt: skip
@@ -76,8 +78,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         wrong.append(f"--warmup {a.warmup} must be in [0, --steps {a.steps})")
     if a.cuda_graph and a.device == "cpu":
         wrong.append(CPU_GRAPH)
-    if a.cuda_graph and a.compile:
-        wrong.append("--cuda-graph and --compile: choose one")
     if (a.resume or a.save_every) and not a.ckpt_dir:
         wrong.append("--resume and --save-every need --ckpt-dir")
     if wrong:
@@ -308,11 +308,9 @@ def train(a: argparse.Namespace, device: str, interrupt: Interrupt) -> dict:
         params, state = fs.optim.step(opt, params, grads, state)
         return loss, params, state
 
-    run_step = train_step
+    run_step = fs.jit(train_step) if a.compile else train_step  # docs/compile.md
     if a.cuda_graph:
-        run_step = fs.cuda_graph(train_step)
-    elif a.compile:
-        run_step = torch.compile(train_step, fullgraph=True)
+        run_step = fs.cuda_graph(run_step)
 
     n = sum(p.numel() for p in params.values())
 

@@ -79,6 +79,8 @@ class Config:
     weight_decay: float = _flag(0.1, "AdamW's weight decay, on matrices only")
     clip: float = _flag(1.0, "clip the gradients' global norm to this")
     bf16: bool = _flag(False, "bf16 parameters in forward and backward, fp32 gradient reduction")
+    compile: bool = _flag(False, "trace the training step once and compile it (fs.jit, inductor): "
+                          "a slower first step, faster steps after")  # fmt: skip
     float8: bool = _flag(False, "float8 training of the blocks' linears (torchao's "
                          "convert_to_float8_training), their weights gathered in float8 "
                          "(docs/low_precision.md)")  # fmt: skip
@@ -189,6 +191,9 @@ def problems(cfg: Config, world: int | None = None) -> list[str]:
     if cfg.float8 and cfg.width % 16:
         wrong.append(f"--float8 multiplies by float8 matrices in blocks of 16: --width "
                      f"{cfg.width} must be a multiple of 16")  # fmt: skip
+    if cfg.float8 and cfg.compile:
+        wrong.append("--compile traces the step with fs.jit, which does not take --float8's "
+                     "weights (tensor subclasses) yet: leave one of the two out")  # fmt: skip
     if cfg.float8 and importlib.util.find_spec("torchao") is None:
         wrong.append("--float8 needs torchao: pip install torchao")
     return wrong
@@ -286,7 +291,8 @@ if __name__ == "__main__":  # see [Note: the command line before torch]
     INTERRUPT = Interrupt()  # a rank: from here on, Ctrl-C stops the run after a step
     signal.signal(signal.SIGINT, INTERRUPT.handle)
 
-import hashlib  # noqa: E402 (the run: see [Note: the command line before torch])
+import functools  # noqa: E402 (the run: see [Note: the command line before torch])
+import hashlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import resource  # noqa: E402
@@ -776,6 +782,9 @@ def train(cfg: Config, interrupt: Interrupt, restart: int = 0) -> Result:
             params, step, [], [], len(text.vocab), text.entropy, None, [], explanation=explanation
         )
 
+    run_step = functools.partial(train_step, apply, opt)
+    if cfg.compile:  # traced once, compiled by inductor: docs/compile.md
+        run_step = fs.jit(run_step)
     losses, heldout, heldout_ema, saving, seconds = [], [], [], None, 0.0
     if step == 0:
         heldout.append((0, evaluate(model, apply, params, buffers, text, cfg)))
@@ -791,7 +800,7 @@ def train(cfg: Config, interrupt: Interrupt, restart: int = 0) -> Result:
         t0 = time.perf_counter()
         tokens = batch_at(text.train, position, cfg.batch, cfg.context, cfg.seed)
         mine = rows(tokens, rank, world)
-        params, opt_state, loss = train_step(apply, opt, params, buffers, opt_state, mine)
+        params, opt_state, loss = run_step(params, buffers, opt_state, mine)
         step, position = step + 1, position + 1
         mean, interrupted = mean_and_any(loss, interrupt.requested)
         losses.append(mean)

@@ -4,6 +4,7 @@ from . import checkpoint, optim, policy, testing
 from ._communication._debug import checking_collectives
 from ._execution._autodiff import grad, per_sample_grad, value_and_grad
 from ._execution._cuda_graph import cuda_graph
+from ._execution._jit import jit
 from ._execution._schedule import schedule
 from ._plans._bucketing import merge_groups
 from ._plans._grouping import group
@@ -40,6 +41,7 @@ __all__ = [
     "functional_call",
     "grad",
     "group",
+    "jit",
     "materialize",
     "merge_groups",
     "on_meta",

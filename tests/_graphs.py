@@ -30,10 +30,12 @@ def train(
     capturable: bool = True,
     clip: bool = True,
     compile_backend: str | None = None,
+    jit_backend: str | None = None,
 ) -> dict:
     """``steps`` training steps of a tiny LM (AdamW with a warm-up schedule, clipping, ``micro``
     micro-batches per step); eager or graphed; with ``compile_backend``, the step is
-    ``torch.compile``'d (``fullgraph=True``) first. Returns the losses, the final full
+    ``torch.compile``'d (``fullgraph=True``) first; with ``jit_backend``, it is ``fs.jit``'s
+    (with that backend) first. Returns the losses, the final full
     parameters and optimizer state (on the CPU), the graphed callable's graph count and the
     frames compiled."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -73,6 +75,9 @@ def train(
     if compile_backend is not None:
         counter = CompileCounterWithBackend(compile_backend)
         step = torch.compile(train_step, backend=counter, fullgraph=True)
+    jitted = None
+    if jit_backend is not None:
+        step = jitted = fs.jit(train_step, backend=jit_backend)
     if graphed:
         step = (
             fs.cuda_graph(step)
@@ -92,7 +97,7 @@ def train(
         "params": full,
         "state": states,
         "graphs": getattr(step, "graphs", 0),
-        "frames": counter.frame_count if counter else 0,
+        "frames": counter.frame_count if counter else (jitted.traces if jitted else 0),
     }
 
 

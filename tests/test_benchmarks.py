@@ -389,7 +389,8 @@ def test_gpu_part_runs_quick_on_cpu(tmp_path):
     rows = cfg["rows"]
     assert list(rows) == list(gpu.variants(torch.device("cpu"), "aot_eager"))
     skipped = {label for label, row in rows.items() if "skipped" in row}
-    graphs = {"plain torch, CUDA graph", "funcshard, CUDA graph", "funcshard, compiled, CUDA graph"}
+    graphs = {"plain torch, CUDA graph", "funcshard, CUDA graph", "funcshard, compiled, CUDA graph",
+              "funcshard, fs.jit, CUDA graph"}  # fmt: skip
     assert skipped == graphs
     for label, row in rows.items():
         if label in skipped:
@@ -402,6 +403,7 @@ def test_gpu_part_runs_quick_on_cpu(tmp_path):
         assert row["loss_gap"] < 1e-2, (label, row["loss"], rows["plain torch"]["loss"])
     assert rows["FSDP2"]["loss_gap_eager"] is None  # an eager step has no eager twin
     assert rows["FSDP2 + compile per block"]["loss_gap_eager"] < 1e-3
+    assert rows["funcshard, fs.jit"]["loss_gap_eager"] < 1e-3  # against funcshard eager
     # the targets: every step-time one (CUDA graphs: not measured here), the first step's, a
     # graph's memory (not measured here), AdamW alone (the fused kernel; capturable: CUDA only)
     firsts = [[f"{a}, first step", f"{b}, first step", at] for a, b, at in gpu.FIRST_CALL_TARGETS]

@@ -332,6 +332,15 @@ _VIEWS = {"view", "_unsafe_view", "t", "permute", "slice", "split_with_sizes", "
           "auto_functionalized_v2"}  # fmt: skip
 
 
+def _written(n) -> list:
+    """The arguments that the node ``n`` writes in place (a mutating operator's ``out``)."""
+    schema = getattr(n.target, "_schema", None)
+    if schema is None:
+        return []
+    written = [a.alias_info is not None and a.alias_info.is_write for a in schema.arguments]
+    return [a for a, w in zip(n.args, written, strict=False) if w and isinstance(a, torch.fx.Node)]
+
+
 def _events(graph, groups: dict[int, str]):
     """The graph's all-gathers and their waits, as (op, group), in graph order; and, for each
     group, the index of the last node that reads its first gather (through views and copies)."""
@@ -355,6 +364,7 @@ def _events(graph, groups: dict[int, str]):
                 last = i
                 if getattr(n.target, "__name__", "").split(".")[0] in _VIEWS:
                     derived.add(n)
+                derived.update(_written(n))  # fs.jit's graph: copy_out(out, gathered)
         last_use[group] = last
     return events, last_use, nodes
 

@@ -52,19 +52,24 @@ def _graphed_vs_eager(micro):
     return same(eager, graphed), graphed["graphs"]
 
 
-def test_a_compiled_step_is_captured_on_the_stand_in(world2):
-    """``fs.cuda_graph(torch.compile(step))``: the compiled step runs compiled under the
-    capture's checks (Dynamo does not skip it for their dispatch mode), and the graphed run
-    gives the compiled step's losses, parameters and state bit for bit; compiled once (the
-    capture compiles nothing more), one graph."""
-    for diff, graphs, frames in world2.run(_graphed_compiled_vs_compiled):
+@pytest.mark.parametrize("how", ["torch.compile", "fs.jit"])
+def test_a_compiled_step_is_captured_on_the_stand_in(world2, how):
+    """``fs.cuda_graph(torch.compile(step))`` and ``fs.cuda_graph(fs.jit(step))``: the compiled
+    step runs compiled under the capture's checks (Dynamo does not skip it for their dispatch
+    mode; the jitted step's graph was traced in the first warm-up call), and the graphed run
+    gives the compiled step's losses, parameters and state bit for bit; compiled (traced) once
+    -- the capture compiles nothing more --, one graph."""
+    for diff, graphs, frames in world2.run(_graphed_compiled_vs_compiled, how):
         assert diff == {"losses": 0.0, "params": 0.0, "state": 0.0}
         assert (graphs, frames) == (1, 1)
 
 
-def _graphed_compiled_vs_compiled():
-    compiled = train("cpu", False, 6, fused=True, compile_backend="aot_eager")
-    graphed = train("cpu", True, 6, fused=True, compile_backend="aot_eager", backend=_Rerun())
+def _graphed_compiled_vs_compiled(how: str):
+    # aot_eager, and the traced graph as it is: quick (inductor's code is captured on a GPU:
+    # tests/test_cuda.py)
+    kw = {"compile_backend": "aot_eager"} if how == "torch.compile" else {"jit_backend": "eager"}
+    compiled = train("cpu", False, 6, fused=True, **kw)
+    graphed = train("cpu", True, 6, fused=True, backend=_Rerun(), **kw)
     return same(compiled, graphed), graphed["graphs"], graphed["frames"]
 
 

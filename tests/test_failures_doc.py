@@ -35,7 +35,7 @@ OPTIM = "Optimizers: fs.optim"
 CHECKPOINT = "Checkpoints: fs.checkpoint"
 INIT = "Initialisation: fs.materialize"
 TESTING = "The testing harness: fs.testing"
-COMPILE = "torch.compile"
+COMPILE = "Compiling: fs.jit and torch.compile"
 CUDA_GRAPH = "CUDA graphs: fs.cuda_graph"
 EXPLAIN_CLI = "Explaining a step: fs.explain, python -m funcshard.explain"
 LOW_PRECISION = "Low-precision weights: tensor subclasses"
@@ -69,6 +69,9 @@ AREAS = {
     "_runtime/_compile.py": COMPILE,
     "_runtime/_compat.py": COMPILE,
     "_execution/_cuda_graph.py": CUDA_GRAPH,
+    "_execution/_host.py": CUDA_GRAPH,
+    "_execution/_jit.py": COMPILE,
+    "_execution/_jit_trace.py": COMPILE,
     "_pricing/_explain.py": EXPLAIN_CLI,
     "_pricing/_autoplan.py": EXPLAIN_CLI,
     "_pricing/_explain_plot.py": EXPLAIN_CLI,
@@ -116,6 +119,11 @@ INDIRECT = {
         ],
     ),
     "_plans/_plan.py::_recompute_names": ("ValueError", ["cannot recompute its forward"]),
+    # "<cuda_graph: the step cannot be captured | jit: <step> cannot be traced>: <what>"
+    "_execution/_host.py::HostReads._refuse": (
+        "RuntimeError",
+        ["reads a device value on the host", "a copy between host"],
+    ),
     # the deferred error's text (_deviation.out_of_plan), warned at once
     "_execution/_schedule.py::_Run._outside": ("UserWarning", ["last run of it had passed"]),
     "_plans/_plan.py::_validate": (

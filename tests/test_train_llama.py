@@ -49,6 +49,14 @@ def test_recompute_computes_the_same_steps(world2):
     assert again == pytest.approx(plain, rel=1e-5)
 
 
+@pytest.mark.inductor
+def test_compile_follows_the_eager_steps(world2):
+    """``--compile`` (``fs.jit``: traced once, compiled by inductor): the eager losses to 1e-5."""
+    plain = world2.run(train_llama.main, [*TINY, "--steps", "4"])[0]["losses"]
+    compiled = world2.run(train_llama.main, [*TINY, "--steps", "4", "--compile"])[0]["losses"]
+    assert compiled == pytest.approx(plain, rel=1e-5)
+
+
 def test_bf16_follows_fp32(world2):
     """``--bf16`` (bf16 compute, fp32 reduction and master weights): the losses of 6 steps
     follow fp32's to bf16's precision, and are not fp32's exactly (bf16 was used)."""

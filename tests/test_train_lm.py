@@ -235,6 +235,17 @@ def test_resume_refuses_another_configuration(world2, tmp_path):
         world2.run(train_lm.main, [*TINY, "--batch", "7"])
 
 
+@pytest.mark.inductor
+def test_compile_follows_the_eager_steps(world2):
+    """--compile (the step traced once and compiled by inductor, fs.jit): the eager run's
+    losses to 1e-5 (relative), and the same held-out losses."""
+    eager = world2.run(train_lm.main, [*TINY, "--steps", "6"])[0]
+    compiled = world2.run(train_lm.main, [*TINY, "--steps", "6", "--compile"])[0]
+    assert compiled.losses == pytest.approx(eager.losses, rel=1e-5)
+    heldout = [h for _, h in eager.heldout]
+    assert [h for _, h in compiled.heldout] == pytest.approx(heldout, rel=1e-5)
+
+
 def test_bf16_parameters_follow_fp32(world2):
     """--bf16: bf16 parameters in forward and backward, fp32 reduction and master weights; the
     losses follow the fp32 run's to bf16 precision."""

@@ -35,30 +35,20 @@ trees:
 from __future__ import annotations
 
 import dataclasses
-import os
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import optree
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._runtime import _mode
-from .._runtime._compat import HigherOrderOperator
-from .._trees._dtensor import _local as _dtensor_local
 from .._trees._dtensor import placed_like
 from .._trees._subclass import fresh, inner, is_subclass
 from .._trees._tree import flatten, unflatten
-
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
-
-
-def _local(x: torch.Tensor) -> torch.Tensor:
-    # no to_local(): an aten call per leaf per call would be most of a replayed step's host time
-    return _dtensor_local(x) if isinstance(x, DTensor) else x
+from ._host import HostReads
+from ._signature import Keys, difference
+from ._signature import local as _local
 
 
 def _address(x: torch.Tensor) -> int:
@@ -66,29 +56,6 @@ def _address(x: torch.Tensor) -> int:
     inner tensor's."""
     x = _local(x)
     return x.data_ptr() if type(x) is torch.Tensor or not is_subclass(x) else inner(x)[0].data_ptr()
-
-
-def _leaf_key(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        loc = _local(x)
-        placed = (x.placements, x.device_mesh) if isinstance(x, DTensor) else None
-        return (type(x), tuple(x.shape), x.dtype, loc.device, tuple(loc.shape), loc.stride(),
-                placed)  # fmt: skip
-    try:
-        hash(x)
-    except TypeError:
-        return ("object", id(x))
-    return (type(x), x)
-
-
-def _describe_key(k: Any) -> str:
-    if isinstance(k, tuple) and len(k) == 7 and isinstance(k[0], type):
-        kind, shape, dtype, device, _, _, placed = k
-        where = f" {placed[0]}" if placed else ""
-        return f"a {kind.__name__} {list(shape)} {dtype} on {device}{where}"
-    if isinstance(k, tuple) and k and k[0] == "object":
-        return "an unhashable object (compared by identity)"
-    return f"{k[1]!r}" if isinstance(k, tuple) and len(k) == 2 else repr(k)
 
 
 class _Backend:
@@ -168,7 +135,7 @@ class CudaGraphed:
         self.backend = backend
         self.entries: dict[Any, _Entry] = {}
         self.last: Any = None  # the last call's key
-        self.seen: tuple[list, list] = ([], [])  # the last call's leaves and their keys
+        self.keys = Keys()  # the last call's leaves and their keys
         self.__wrapped__ = step
 
     @property
@@ -178,7 +145,7 @@ class CudaGraphed:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # no key paths here (strings per leaf per call): they are made when a message needs them
         leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
-        key = (spec, self._keys(leaves))
+        key = (spec, self.keys(leaves))
         entry = self.entries.get(key)
         backend = self._backend(leaves)
         if entry is None:
@@ -201,17 +168,6 @@ class CudaGraphed:
         fresh = [x.clone() if a is False else x for x, a in zip(outs, entry.aliased, strict=True)]
         return optree.tree_unflatten(entry.out_spec, fresh)
 
-    def _keys(self, leaves: list) -> tuple:
-        """Each leaf's key; a leaf that is the last call's object keeps its key (the donated
-        trees come back as they were returned: only the batch is new)."""
-        old, old_keys = self.seen
-        same = len(old) == len(leaves)
-        keys = tuple(
-            old_keys[i] if same and x is old[i] else _leaf_key(x) for i, x in enumerate(leaves)
-        )
-        self.seen = (leaves, list(keys))
-        return keys
-
     def _backend(self, leaves: list) -> Any:
         if self.backend is None:
             if not torch.cuda.is_available():
@@ -228,7 +184,7 @@ class CudaGraphed:
             _refuse_host_tensors(paths, leaves)
         if len(self.entries) >= self.max_graphs:
             raise ValueError(
-                f"cuda_graph: this call needs a new graph ({_difference(self.last, paths, key)}), "
+                f"cuda_graph: this call needs a new graph ({difference(self.last, paths, key)}), "
                 f"but {len(self.entries)} are kept already (max_graphs={self.max_graphs}); "
                 "each new structure, shape, dtype or Python value of the arguments is captured "
                 "anew. Pad the batches to a few shapes, pass changing numbers as device "
@@ -253,7 +209,7 @@ class CudaGraphed:
                 copy = _copy(_local(x))
                 slots.append(placed_like(copy, x) if isinstance(x, DTensor) else copy)
         args, kwargs = unflatten(spec, slots)
-        checker = _HostReads(device)
+        checker = HostReads(device, "cuda_graph: the step cannot be captured")
         try:
             with _mode.capture(), checker:
                 out, replay = backend.capture(lambda: self.step(*args, **kwargs))
@@ -299,99 +255,6 @@ def _donated(leaves: list, out: Any) -> frozenset[int]:
         i for i, x in enumerate(leaves)
         if isinstance(x, torch.Tensor) and _local(x).numel() and _address(x) in returned
     )  # fmt: skip
-
-
-def _difference(old, paths: list[str], key) -> str:
-    if old is None:
-        return "the first call"
-    if old[0] != key[0]:
-        return "the arguments' tree structure differs from the last call's"
-    for path, a, b in zip(paths, old[1], key[1], strict=True):
-        if a != b:
-            return f"{path!r} is {_describe_key(b)}, was {_describe_key(a)}"
-    return "the arguments differ from every captured call's"
-
-
-def _where() -> str:
-    """The innermost frame of the stack outside torch and funcshard: the user's line."""
-    for frame in reversed(traceback.extract_stack()[:-2]):
-        name = os.path.abspath(frame.filename)
-        if not (name.startswith(_HERE) or name.startswith(_TORCH) or "/contextlib" in name):
-            return f"{frame.filename}:{frame.lineno} ({(frame.line or '').strip()})"
-    return "inside funcshard or torch"
-
-
-class _HostReads(TorchDispatchMode):
-    """During a capture: refuses the operations a CUDA graph cannot record or would freeze,
-    naming them and the line that called them (see [Note: a step as a graph])."""
-
-    _READS = frozenset(
-        {"aten::_local_scalar_dense", "aten::item", "aten::equal", "aten::is_nonzero"}
-    )
-
-    def __init__(self, device: torch.device | None) -> None:
-        super().__init__()
-        self.device = device
-        self.found: str | None = None
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        """[Note: a compiled step captured]
-        ``fs.cuda_graph(torch.compile(step))`` captures the compiled step. Dynamo skips (runs
-        eagerly) any frame called while a dispatch mode is active -- with ``fullgraph=True`` it
-        raises -- unless the mode ignores compile internals: then the compiled code runs, and
-        only its operations outside inductor's kernels pass through the mode (extern kernels,
-        custom operators as a whole, and, under ``aot_eager``, every ATen call but those inside
-        a higher-order operator, which a mode cannot enter). What the checks then miss, the
-        capture itself still refuses (a synchronisation or a copy to the host fails it, and is
-        reported), and the host values a replay would freeze are the step's arguments on the
-        CPU, refused before the warm-up (``_refuse_host_tensors``).
-        """
-        return True
-
-    supports_higher_order_operators = True
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if isinstance(func, HigherOrderOperator):  # see the Note above
-            return func(*args, **kwargs)
-        name = func._schema.name
-        if name in self._READS:
-            self._refuse(
-                f"{name} reads a device value on the host (.item(), float(t), bool(t) -- an "
-                "`if` or `while` on a tensor --, .tolist()), which a graph cannot record"
-            )
-        if self.device is not None and self.device.type != "cpu":
-            ins = [x for x in flatten((args, kwargs))[1] if isinstance(x, torch.Tensor)]
-            target = kwargs.get("device")
-            to = None if target is None else torch.device(target).type
-            host = [x for x in ins if x.device.type == "cpu" and x.ndim]
-            on_device = any(x.device.type != "cpu" for x in ins)
-            if (host and (on_device or to not in (None, "cpu"))) or (on_device and to == "cpu"):
-                self._mixed(name, host[0] if host else ins[0])
-        out = func(*args, **kwargs)
-        if self.device is not None and self.device.type != "cpu":
-            ins = [x for x in flatten((args, kwargs))[1] if isinstance(x, torch.Tensor)]
-            outs = [x for x in flatten(out)[1] if isinstance(x, torch.Tensor)]
-            on_device = any(x.device.type != "cpu" for x in ins)
-            # a 0-dim CPU input is a number (a constant; a changing one, a host count, the
-            # optimizer refuses itself); a CPU output of device inputs is a copy to the host
-            host = [x for x in ins if x.device.type == "cpu" and x.ndim]
-            host += [x for x in outs if x.device.type == "cpu"] if on_device else []
-            if host and (on_device or any(x.device.type != "cpu" for x in outs)):
-                self._mixed(name, host[0])
-        return out
-
-    def _mixed(self, name: str, x: torch.Tensor) -> None:
-        self._refuse(
-            f"{name} uses a CPU tensor ({list(x.shape)} {x.dtype}) with tensors on "
-            f"{self.device}: a copy between host and device, or a CPU value that every replay "
-            "would reuse as captured. Make it on the device, or pass it as a Python number"
-        )
-
-    def _refuse(self, what: str) -> None:
-        self.found = f"{what}, at {_where()}."
-        raise RuntimeError(f"cuda_graph: the step cannot be captured: {self.found}")
 
 
 def _host_read(e: BaseException) -> str | None:

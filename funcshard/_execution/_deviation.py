@@ -37,9 +37,9 @@ branch, a bug:
   raises a ``RuntimeError`` naming the group and the fix at its next funcshard call, where the
   per-call check (``_consensus.defer``) raises it on every rank: the ranks stay in step. A group
   that communicates nothing (a mesh of one rank) is still gathered on demand, with a warning;
-  so is any group under ``torch.compile`` and while a CUDA graph is captured: those record the
-  step once and replay it without this code, so no later call could raise, and every rank's
-  recorded graph must take the same path anyway.
+  so is any group under ``torch.compile`` or ``fs.jit`` and while a CUDA graph is captured:
+  those record the step once and replay it without this code, so no later call could raise,
+  and every rank's recorded graph must take the same path anyway.
 * a use outside the plan's order of a group that is still unsharded (``reshard_after_forward=
   False``, the root) needs no collective and is exact. So is a use of such a group that the
   plan runs only after other runs (T5's shared embedding, used by the decoder, in a plan of the
@@ -51,8 +51,8 @@ Not kept in step (debug mode, ``FUNCSHARD_DEBUG=1``, names them): a block that t
 on every rank but whose output some ranks drop (their autograd never reaches its gather's
 backward, and nothing tells them in time: the backward cursor also passes a group whose
 backward autograd runs later, in a legitimate order); ranks whose forwards take different paths
-under ``torch.compile`` (each rank's graph records its own path: a skipped run gets no zero
-there, and the compiler drops a gather nothing reads); collectives of one's own
+under ``torch.compile`` or ``fs.jit`` (each rank's graph records its own path: a skipped run
+gets no zero there, and the compiler drops a gather nothing reads); collectives of one's own
 (``dist.all_reduce``) or ``fs.unshard`` calls made on some ranks only.
 """
 

@@ -62,6 +62,7 @@ from .._trees._deferred import release_all
 from .._trees._extract import aliases
 from .._trees._subclass import is_subclass
 from ._recompute import prepared
+from ._region_key import known
 
 
 def modules(module: nn.Module, plan: Plan) -> dict[str, nn.Module]:
@@ -119,12 +120,28 @@ class _Graphs:
 
 
 def _graphs(call, real: list, cache: dict) -> _Graphs | None:
+    """The region's graphs, or ``None`` to run it inline. A group whose key is known before
+    tracing (see [Note: identical groups known before tracing] in ``_region_key``) takes the
+    graphs of the first group with that key, untraced."""
+    if any(isinstance(t, DTensor) or is_subclass(t) for t in real):  # FSDP x TP's DTensor
+        return None  # parameters, low-precision weights: invoke_subgraph takes plain tensors
+    early = known(call, real)
+    if early is not None and early in cache:
+        graphs, outputs = cache[early]
+        if graphs is not None:
+            call.out_spec, call.out_at, call.out_leaves, call.differentiable = outputs
+        return graphs
+    graphs = _traced(call, real, cache)
+    if early is not None:
+        cache[early] = (graphs, (call.out_spec, call.out_at, call.out_leaves, call.differentiable))
+    return graphs
+
+
+def _traced(call, real: list, cache: dict) -> _Graphs | None:
     def fn(*tensors):
         with call.bound(tensors):
             return call.run(tensors)
 
-    if any(isinstance(t, DTensor) or is_subclass(t) for t in real):  # FSDP x TP's DTensor
-        return None  # parameters, low-precision weights: invoke_subgraph takes plain tensors
     with suspend_functionalization(), disable_functional_mode(), disable_proxy_modes_tracing():
         primals = [_from_fun(t) for t in real]
         with torch.enable_grad():

@@ -10,7 +10,9 @@ funcshard needs, the replacement is here (``compiling``).
 
 from __future__ import annotations
 
+import contextlib
 import copyreg
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,9 +45,35 @@ def storage_key(t: torch.Tensor | torch.UntypedStorage) -> int:
     return (t.untyped_storage() if isinstance(t, torch.Tensor) else t)._cdata
 
 
+# fs.jit tracing a step, in any thread: see [Note: compiling() while fs.jit traces]
+_STEP_TRACES = [0]
+
+
+@contextlib.contextmanager
+def tracing_step() -> Iterator[None]:
+    """Make :func:`compiling` true in the body: ``fs.jit`` traces a step.
+
+    [Note: compiling() while fs.jit traces]
+    ``fs.jit`` traces a step with ``make_fx``, where funcshard's code must take the paths it
+    takes under ``torch.compile`` (functional collectives waited where used, no frees, host
+    checks once, the optimizer's count as a tensor). That is funcshard's question, so the answer
+    is funcshard's: a count of the traces running, not torch's private compiling flag (which
+    every torch library reads). It is a count for the process, not a context variable, because
+    the backward of a CUDA step is traced in autograd's device thread, which sees no context
+    variable of the thread that called ``torch.autograd.grad``; one process traces one step at a
+    time.
+    """
+    _STEP_TRACES[0] += 1
+    try:
+        yield
+    finally:
+        _STEP_TRACES[0] -= 1
+
+
 def compiling() -> bool:
-    """Whether code runs as part of a ``torch.compile`` session: traced by Dynamo, or run by
-    it or AOTAutograd while they trace (a ``nonstrict_trace`` function, a backward).
+    """Whether code runs as part of a ``torch.compile`` session or of ``fs.jit``'s trace:
+    traced by Dynamo, or run by it or AOTAutograd while they trace (a ``nonstrict_trace``
+    function, a backward), or traced by ``fs.jit`` (:func:`tracing_step`).
 
     [Note: a compile session on torch 2.11 and 2.12]
     From torch 2.13 ``torch.compiler.is_compiling()`` is true for the whole compile session,
@@ -57,7 +85,7 @@ def compiling() -> bool:
     Dynamo installs while it compiles a frame (AOTAutograd and the backend run inside it) and
     that no compiled graph has at run time.
     """
-    if torch.compiler.is_compiling():
+    if _STEP_TRACES[0] or torch.compiler.is_compiling():
         return True
     return not HAS_2_13 and TracingContext.try_get() is not None
 
@@ -92,6 +120,48 @@ def keep_mesh_hash_out_of_pickles() -> bool:
 
     copyreg.pickle(DeviceMesh, _mesh_reduced)
     return True
+
+
+def trace_graph(fn: Callable, tensors: Sequence[torch.Tensor]) -> torch.fx.GraphModule:
+    """``fn(*tensors)`` traced into a graph of ATen operators, on fake tensors made from
+    ``tensors`` (``make_fx``), inside a ``TracingContext`` as Dynamo installs one (where
+    ``invoke_subgraph`` traces each identifier's body once) and with :func:`tracing_step`.
+    Private (``torch._guards``, fake tensors): see tests/test_jit.py::
+    test_private_torch_apis_of_jit."""
+    from torch._guards import tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
+    fakes = [mode.from_tensor(t, static_shapes=True) for t in tensors]
+    with tracing(TracingContext(mode)), tracing_step():
+        return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*fakes)
+
+
+def compile_graph(gm: torch.fx.GraphModule, tensors: Sequence[torch.Tensor]) -> Callable:
+    """``gm`` compiled by inductor for inputs like ``tensors`` (real or fake: only their
+    metadata is read); the compiled callable.
+
+    [Note: a traced graph in the caches]
+    Inductor's FX graph cache and AOTAutograd's cache key a graph only when it is compiled for
+    fake inputs of a fake mode with a ``ShapeEnv``, inside a ``TracingContext`` -- as Dynamo
+    hands a graph to its backend; a plain ``compile_fx(gm, real_tensors)`` bypasses both ("No
+    shape env"). The key is the graph itself (its code, constants and inputs' metadata), so it
+    holds everything funcshard's Python decided while tracing. Private (``compile_fx``,
+    ``torch._guards``): see tests/test_jit.py::test_private_torch_apis_of_jit.
+    """
+    from torch._guards import tracing
+    from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    with mode:
+        fakes = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+                 for t in tensors]  # fmt: skip
+    with tracing(TracingContext(mode)), torch.no_grad():
+        return compile_fx(gm, fakes)
 
 
 def fake_kernel(func, args: tuple, kwargs: dict):
