@@ -15,13 +15,13 @@ step by step ([Note: fair timing] in ``harness``):
 
 - ``full AC``, every block recomputed in backward: FSDP2 (``checkpoint_wrapper`` per block),
   FSDP2 + compile per block (torchtitan's order: checkpoint, compile, ``fully_shard``), funcshard
-  eager, ``fs.cuda_graph`` of its whole step, its whole step compiled;
+  eager, ``fs.cuda_graph`` of its whole step, its whole step under ``torch.compile``;
 - ``selective AC``: FSDP2 + compile per block with torchtitan's selective checkpointing by
   operator ([Note: torchtitan's selective activation checkpointing] in ``variants``), funcshard
   eager with every block recomputed but the last ``KEEP`` (``fs.plan(..., recompute=[names])``:
   a plan recomputes whole groups, not operators);
-- ``compiled``: funcshard's whole step compiled with that selective plan, and compiled with
-  every block recomputed and captured (``fs.cuda_graph(torch.compile(step))``).
+- ``compiled``: funcshard's whole step compiled by ``fs.jit`` with that selective plan, and
+  compiled with every block recomputed and captured (``fs.cuda_graph(fs.jit(step))``).
 
 Per variant: step time and its ratio to the set's FSDP2 + compile per block, tokens/s per GPU,
 MFU (``flop_per_token``: torchtitan's count), peak allocated and reserved memory
@@ -120,11 +120,11 @@ SETS: dict[str, dict[str, tuple[str, str]]] = {
         "funcshard": ("funcshard", BLOCKS),
     },
     "compiled": {
-        "funcshard, compiled": ("funcshard + compile", BLOCKS),
-        "funcshard, compiled, CUDA graph": ("funcshard + compile + fs.cuda_graph", FULL),
+        "funcshard, fs.jit": ("funcshard + fs.jit", BLOCKS),
+        "funcshard, fs.jit, CUDA graph": ("funcshard + fs.jit + fs.cuda_graph", FULL),
     },
 }
-GRAPHED = ("funcshard + fs.cuda_graph", "funcshard + compile + fs.cuda_graph")
+GRAPHED = ("funcshard + fs.cuda_graph", "funcshard + fs.jit + fs.cuda_graph")
 
 
 def model(s: Shape) -> Llama:

@@ -5,17 +5,18 @@
 #   0. the carried wheels (.whl/: optree, cloudpickle, tqdm) installed where missing (~5 s); and,
 #      in the background, fs.explain's prediction of the 8B step (CPU work, ~30 s):
 #      gpu8b-predict-<device>.json;
-#   1. Llama-3.1-8B, one rank of 8 fake ranks (python -m benchmarks.gpu_8b, <= 330 s):
+#   1. Llama-3.1-8B, one rank of 8 fake ranks (python -m benchmarks.gpu_8b, <= 290 s):
 #      gpu8b-<device>.json, rewritten after each variant's first steps and each set. Per set:
 #      the 8B model on meta, materialized into shards once (~5 s; each variant copies them), each
 #      variant's build and first step (eager ~2.5 s; inductor's compile of a block ~30 s, of
-#      funcshard's whole step ~60-90 s; a CUDA graph's 2 warm-up calls and capture), one
+#      fs.jit's step: a block's pieces, ~30-60 s; a CUDA graph's 2 warm-up calls and capture), one
 #      profiled step, then 2 alternating timed steps each (~2.2 s a step). About 185 s for
 #      "full AC", 55 s for "selective AC", 105 s for "compiled": the last may be cut short;
 #   2. explain's check (python -m benchmarks.gpu_8b_explain --check, <= 60 s: part 1's
 #      funcshard row against explain, h100 and measured rates): gpu8b-check-<device>.json;
-#   3. what the 36M/271M runs left open (python -m benchmarks.gpu, <= 40 + 55 s): graphs,
-#      their memory and AdamW alone at one rank, then calls and launches at 8 fake ranks:
+#   3. what the 36M/271M runs left open (python -m benchmarks.gpu, <= 80 + 55 s): graphs,
+#      their memory, AdamW alone and the fs.jit step (compiled, and captured) at one rank, then
+#      calls and launches at 8 fake ranks:
 #      gpu-<device>-<config>[-fake8].json;
 #   4. the main job (python -m benchmarks.main_job, <= 75 s): examples/train_llama.py in each
 #      mode (eager, --cuda-graph, --recompute, --compile, eager again), main_job-<device>.json;
@@ -66,7 +67,7 @@ timeout $((240 * slow)) $py -m benchmarks.gpu_8b_explain --predict --out "$out" 
 predict=$!
 
 # 1. the 8B rows
-timeout $((330 * slow)) $py -m benchmarks.gpu_8b --out "$out" "${opts[@]}" 2>&1 | log gpu_8b
+timeout $((290 * slow)) $py -m benchmarks.gpu_8b --out "$out" "${opts[@]}" 2>&1 | log gpu_8b
 step "1. gpu_8b" "${PIPESTATUS[0]}"
 wait $predict
 step "0. gpu_8b_explain --predict" $?
@@ -79,8 +80,9 @@ step "2. gpu_8b_explain --check" "${PIPESTATUS[0]}"
 if ((${#quick[@]})); then one=() ranks=(); else
   one=(--configs 36M) ranks=(--configs 36M,271M)
 fi
-timeout $((40 * slow)) $py -m benchmarks.gpu "${one[@]}" --out "$out" "${opts[@]}" \
-  --variants "plain torch,plain torch, CUDA graph,funcshard,funcshard, CUDA graph" 2>&1 | log gpu
+timeout $((80 * slow)) $py -m benchmarks.gpu "${one[@]}" --out "$out" "${opts[@]}" \
+  --variants "plain torch,plain torch, CUDA graph,funcshard,funcshard, CUDA graph,funcshard, fs.jit,funcshard, fs.jit, CUDA graph" \
+  2>&1 | log gpu
 step "3. gpu, one rank" "${PIPESTATUS[0]}"
 timeout $((55 * slow)) $py -m benchmarks.gpu "${ranks[@]}" --fake-world 8 --out "$out" "${opts[@]}" \
   --variants "FSDP2,funcshard,funcshard, CUDA graph" 2>&1 | log gpu_fake8
